@@ -1,0 +1,37 @@
+# pagedserve: `make serve` runs the server, `make test` runs every test; both set everything up first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+MODEL ?= smollm2-135m-instruct
+
+.PHONY: setup serve test lint bench-offline clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first and pinned: an unpinned torch pulled in by a dependency is a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+	$(BIN)/pagedserve fetch-model $(MODEL)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+serve: setup
+	$(BIN)/pagedserve serve
+
+bench-offline: setup
+	$(BIN)/pagedserve bench-offline
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Entry points: the `pagedserve` CLI and (next) Ray cluster jobs."""

@@ -1,0 +1,73 @@
+"""`pagedserve` command line: fetch-model, bench-offline, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("pagedserve")
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from model_executor.model_fetch import resolve_model
+
+    model_dir = resolve_model(args.model)
+    # The last line is the directory, so scripts can take it with `tail -n 1`.
+    sys.stdout.write(f"{model_dir}\n")
+    return 0
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from cluster.bench_offline import run_offline_benchmark
+
+    run_offline_benchmark(args)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logger.error(
+        "`pagedserve serve` is not available yet: the Ray Serve OpenAI server lands with the serving issue. "
+        "Use the offline API today: `from executor import LLM, SamplingParams`."
+    )
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    fetch = commands.add_parser("fetch-model", help="download and convert a model alias, print its directory")
+    fetch.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    fetch.set_defaults(handler=cmd_fetch_model)
+
+    bench = commands.add_parser("bench-offline", help="LLM.generate vs HF transformers generate, same prompts")
+    bench.add_argument("--model", default="smollm2-135m-instruct")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--prompt-words", type=int, default=48, help="words per synthetic prompt")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--max-num-seqs", type=int, default=64)
+    bench.add_argument("--max-num-batched-tokens", type=int, default=512)
+    bench.add_argument("--hf-batch-sizes", default="8,16,32,64", help="static batch sizes tried for HF")
+    bench.add_argument("--skip-hf", action="store_true", help="only measure pagedserve")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output-json", default=None)
+    bench.set_defaults(handler=cmd_bench_offline)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI API (arrives with the serving issue)")
+    serve.add_argument("--config", default=None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(handler=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

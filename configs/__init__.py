@@ -1,0 +1,6 @@
+"""Configuration schema and presets: the leaf package every other package may import."""
+
+from configs.engine_config import EngineConfig
+from configs.sampling_params import SamplingParams
+
+__all__ = ["EngineConfig", "SamplingParams"]

@@ -1,0 +1,46 @@
+"""Engine configuration: validated at the user boundary (Python kwargs, YAML presets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine replica: model, KV cache, batching limits, devices."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field(DEFAULT_MODEL, description="A model alias (see `pagedserve fetch-model`) or a local HF dir.")
+    served_model_name: str | None = Field(None, description="Model id clients use; defaults to `model`.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA."
+    )
+    max_model_len: int | None = Field(None, ge=16, description="Context length; defaults to the model's own.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    kv_cache_memory_gib: float = Field(1.0, gt=0, description="Memory budget for the KV cache, in GiB.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks; overrides the budget.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step (chunked prefill).")
+    max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads for the forward pass; default all cores.")
+
+    @property
+    def model_name(self) -> str:
+        """The id clients see."""
+        return self.served_model_name or self.model
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: object) -> EngineConfig:
+        """Load a preset from configs/*.yaml; keyword overrides win over the file."""
+        with open(path) as config_file:
+            values = yaml.safe_load(config_file) or {}
+        engine_values = values.get("engine", values)
+        return cls(**{**engine_values, **overrides})

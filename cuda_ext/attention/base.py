@@ -1,0 +1,59 @@
+"""The attention-backend interface: the model calls it, never a concrete backend.
+
+KV-cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 keys,
+1 values). Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`;
+its flat slot is `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """One step's attention work as plain per-request lists, decodes first.
+
+    Request i contributes query_lens[i] new tokens (flat and contiguous in the step's token rows) and attends
+    to seq_lens[i] keys: its cached prefix plus those new tokens.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    num_decodes: int
+    """The first num_decodes requests have query_len 1."""
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends over it, for a flat batch of mixed requests."""
+
+    name: str
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One layer's cache in the layout above."""
+        return torch.zeros(2, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> Any:
+        """Turn the plain batch into this backend's tensors, once per step (shared by all layers)."""
+
+    @abstractmethod
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """query [tokens, heads, head_dim], key/value [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""

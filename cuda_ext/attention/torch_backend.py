@@ -1,0 +1,151 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the Triton kernels.
+
+Requests are split into two padded groups, decodes (one query row each) and prefill chunks, so a long prefill
+chunk never pads the decodes' queries. Each group gathers its requests' KV blocks once per layer into a reused
+buffer and runs one batched scaled-dot-product attention with an additive mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cuda_ext.attention.base import AttentionBackend, AttentionBatch
+
+
+@dataclass(slots=True)
+class PaddedGroup:
+    """A set of requests attended together, padded to the longest query and the longest block table."""
+
+    token_start: int
+    token_end: int
+    num_seqs: int
+    max_query_len: int
+    gathered_block_ids: torch.Tensor  # [num_seqs * max_blocks] block ids, padding points at block 0
+    attn_bias: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size], 0 or -inf
+    pad_index: torch.Tensor | None  # [num_seqs * max_query_len] group rows feeding each padded query row
+    unpad_index: torch.Tensor | None  # [group tokens] padded rows holding each real query row
+    key_buffer: torch.Tensor | None = None  # reused by every layer of the step
+    value_buffer: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    has_padding_slots: bool
+    groups: list[PaddedGroup]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> TorchAttentionMetadata:
+        slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device)
+        groups = []
+        num_decode_tokens = batch.num_decodes
+        if batch.num_decodes:
+            groups.append(self._build_group(batch, 0, batch.num_decodes, 0, block_size, device))
+        if batch.num_decodes < len(batch.query_lens):
+            groups.append(
+                self._build_group(
+                    batch, batch.num_decodes, len(batch.query_lens), num_decode_tokens, block_size, device
+                )
+            )
+        has_padding = bool(batch.slot_mapping) and min(batch.slot_mapping) < 0
+        return TorchAttentionMetadata(slot_mapping, has_padding, groups)
+
+    def _build_group(
+        self, batch: AttentionBatch, first: int, last: int, token_start: int, block_size: int, device: torch.device
+    ) -> PaddedGroup:
+        query_lens = batch.query_lens[first:last]
+        seq_lens = batch.seq_lens[first:last]
+        num_seqs = last - first
+        max_query_len = max(query_lens)
+        max_blocks = max(-(-seq_len // block_size) for seq_len in seq_lens)
+        block_ids = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+        for row, block_table in enumerate(batch.block_tables[first:last]):
+            needed = -(-seq_lens[row] // block_size)
+            block_ids[row, :needed] = torch.tensor(block_table[:needed], dtype=torch.int64)
+
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        query_offsets = torch.arange(max_query_len)
+        key_positions = torch.arange(max_blocks * block_size)
+        # Absolute position of each (padded) query row; a query sees every key at or before it.
+        query_positions = (seq_lens_t - query_lens_t)[:, None] + query_offsets[None, :]
+        allowed = key_positions[None, None, :] <= query_positions[:, :, None]
+        if self.sliding_window is not None:
+            allowed &= key_positions[None, None, :] > query_positions[:, :, None] - self.sliding_window
+        is_real_query = query_offsets[None, :] < query_lens_t[:, None]
+        # Padded query rows look at key 0 only, so no row is all -inf (which would give NaN).
+        allowed = torch.where(is_real_query[:, :, None], allowed, key_positions[None, None, :] == 0)
+        attn_bias = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+
+        pad_index = unpad_index = None
+        if max_query_len > 1:
+            starts = torch.cumsum(query_lens_t, 0) - query_lens_t
+            pad_index = (starts[:, None] + query_offsets[None, :]).clamp(max=sum(query_lens) - 1)
+            pad_index = torch.where(is_real_query, pad_index, 0).flatten().to(device)
+            unpad_index = is_real_query.flatten().nonzero().squeeze(1).to(device)
+        return PaddedGroup(
+            token_start=token_start,
+            token_end=token_start + sum(query_lens),
+            num_seqs=num_seqs,
+            max_query_len=max_query_len,
+            gathered_block_ids=block_ids.flatten().to(device),
+            attn_bias=attn_bias.unsqueeze(1).to(device),
+            pad_index=pad_index,
+            unpad_index=unpad_index,
+        )
+
+    def write_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata
+    ) -> None:
+        slot_mapping = metadata.slot_mapping
+        if metadata.has_padding_slots:
+            keep = slot_mapping >= 0
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        kv_cache[0].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, key)
+        kv_cache[1].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, value)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        self.write_kv_cache(key, value, kv_cache, metadata)
+        output = torch.empty(query.shape[0], self.num_heads * self.head_dim, dtype=query.dtype, device=query.device)
+        for group in metadata.groups:
+            output[group.token_start : group.token_end] = self._attend_group(
+                query[group.token_start : group.token_end], kv_cache, group
+            )
+        return output
+
+    def _attend_group(self, query: torch.Tensor, kv_cache: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        if group.key_buffer is None:
+            buffer_shape = (group.gathered_block_ids.numel(), block_size, self.num_kv_heads, self.head_dim)
+            group.key_buffer = torch.empty(buffer_shape, dtype=kv_cache.dtype, device=kv_cache.device)
+            group.value_buffer = torch.empty_like(group.key_buffer)
+            group.attn_bias = group.attn_bias.to(query.dtype)
+        # index_select into a reused buffer: a fresh allocation per layer costs page faults on CPU.
+        torch.index_select(kv_cache[0], 0, group.gathered_block_ids, out=group.key_buffer)
+        torch.index_select(kv_cache[1], 0, group.gathered_block_ids, out=group.value_buffer)
+        num_seqs, max_query_len = group.num_seqs, group.max_query_len
+        keys = group.key_buffer.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = group.value_buffer.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if group.pad_index is not None:
+            query = query.index_select(0, group.pad_index)
+        padded_query = query.view(num_seqs, max_query_len, self.num_heads, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            padded_query, keys, values, attn_mask=group.attn_bias, scale=self.scale, enable_gqa=True
+        )
+        attended = attended.transpose(1, 2).reshape(num_seqs * max_query_len, self.num_heads * self.head_dim)
+        if group.unpad_index is not None:
+            attended = attended.index_select(0, group.unpad_index)
+        return attended

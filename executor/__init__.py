@@ -1,0 +1,8 @@
+"""The engine: scheduler, KV-cache manager, step loop, and the offline `LLM` API."""
+
+from configs.sampling_params import SamplingParams
+from executor.engine import LLMEngine
+from executor.llm import LLM
+from executor.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]

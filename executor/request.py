@@ -1,0 +1,89 @@
+"""A request's state inside the engine: tokens, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from configs.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISH_REASONS
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated (a parent with n > 1 becomes n of these)."""
+
+    __slots__ = (
+        "arrival_time",
+        "block_hashes",
+        "gate_request_id",
+        "max_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "sampling_params",
+        "sent_to_runner",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        gate_request_id: str | None = None,
+    ):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic()
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily
+        # Sibling of an n > 1 request: waits until this request has scheduled the shared prompt, then reuses it.
+        self.gate_request_id = gate_request_id
+        self.sent_to_runner = False
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

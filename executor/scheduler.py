@@ -1,0 +1,198 @@
+"""Scheduler: one token-budget loop over running then waiting requests; never touches tensors.
+
+There is no prefill phase or decode phase: each request has num_computed_tokens, and every step the scheduler
+decides how many tokens each request advances, under max_num_batched_tokens and max_num_seqs. Chunked
+prefill, prefix caching and recompute preemption fall out of that loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from configs.engine_config import EngineConfig
+from executor.kv_cache_manager import KVCacheManager
+from executor.request import Request, RequestStatus
+from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: tokens it gained, and whether it is done."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, eos_token_ids: Iterable[int]):
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Gone since the last plan; the runner is told once, in the next plan.
+        self.finished_since_last_plan: list[str] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if -(-(request.num_prompt_tokens + 1) // self.kv_cache.block_size) > self.kv_cache.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than the cache has "
+                f"({self.kv_cache.pool.num_blocks} blocks of {self.kv_cache.block_size})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, go back to the front of the queue."""
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.sent_to_runner = False
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        logger.debug("preempted %s", request.request_id)
+
+    def _is_gated(self, request: Request) -> bool:
+        """A sibling waits until the first sibling has scheduled the prompt they share."""
+        gate = self.requests.get(request.gate_request_id) if request.gate_request_id else None
+        return gate is not None and gate.num_computed_tokens < gate.num_prompt_tokens - 1
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(finished_request_ids=self.finished_since_last_plan)
+        self.finished_since_last_plan = []
+        token_budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; blocks run out -> preempt the newest.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            plan.cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+            index += 1
+
+        # 2. Waiting requests in arrival order, unless this step had to preempt.
+        skipped: list[Request] = []
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            if plan.preempted_request_ids:
+                break
+            request = self.waiting[0]
+            if self._is_gated(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(
+                request, allow_sharing=request.gate_request_id is not None
+            )
+            num_new = min(request.num_tokens - num_cached, token_budget)
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks, num_cached)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            plan.new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
+                    request.sampling_params,
+                    self.kv_cache.block_ids(request.request_id),
+                    num_cached,
+                )
+            )
+            request.sent_to_runner = True
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return plan
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop condition."""
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens += num_tokens
+        updates = []
+        for position, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            request.token_ids.append(token_id)
+            logprobs = result.logprobs[position] if result.logprobs else None
+            finished = self._check_stop(request, token_id)
+            if finished:
+                self._finish(request)
+            updates.append(RequestUpdate(request, [token_id], [logprobs] if logprobs is not None else [], finished))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, stop_reason: str | None = None
+    ) -> None:
+        """Abort, or stop on a stop string found by the detokenizer: blocks are freed at once."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            request.status = status
+            request.stop_reason = stop_reason
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        # Told even when preempted: the runner still holds a seeded request's generator.
+        self.finished_since_last_plan.append(request.request_id)

@@ -1,0 +1,1 @@
+"""Building blocks of the models, written for tensor parallelism from the start."""

@@ -1,0 +1,81 @@
+"""What the engine must know about a model before it runs it: read once from the HF directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from configs.engine_config import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: Path
+    hf_config: Any
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    device: str
+    dtype_name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def head_dim(self) -> int:
+        config = self.hf_config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available on this machine")
+    return requested
+
+
+def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    eos: set[int] = set()
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        candidates.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            eos.add(candidate)
+        elif isinstance(candidate, list):
+            eos.update(token_id for token_id in candidate if isinstance(token_id, int))
+    return frozenset(eos)
+
+
+def load_model_info(model_dir: Path, config: EngineConfig) -> ModelInfo:
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = config.max_model_len or model_limit
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
+    device = resolve_device(config.device)
+    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return ModelInfo(
+        model_dir=Path(model_dir),
+        hf_config=hf_config,
+        max_model_len=max_model_len,
+        vocab_size=hf_config.vocab_size,
+        eos_token_ids=read_eos_token_ids(Path(model_dir), hf_config),
+        device=device,
+        dtype_name=dtype_name,
+    )

@@ -1,0 +1,159 @@
+"""ModelRunner: holds the model shard and its KV cache, turns a StepPlan into tensors, runs, samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cuda_ext.attention import AttentionBatch
+from model_executor.model_info import ModelInfo
+from model_executor.models import get_model_class
+from model_executor.parallel_state import ParallelContext
+from model_executor.sampler import Sampler, SamplingRow
+from model_executor.step_plan import NewRequestData, StepPlan, StepResult
+from model_executor.weight_loader import load_safetensors_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    """The runner's copy of a request: tokens it has seen, where its KV lives, how it samples."""
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    sampling_row: SamplingRow
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        block_size: int,
+        kv_cache_memory_bytes: int,
+        num_kv_blocks: int | None = None,
+        parallel: ParallelContext | None = None,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
+        self.model_info = model_info
+        self.block_size = block_size
+        self.device = torch.device(model_info.device)
+        self.parallel = parallel or ParallelContext()
+        torch.manual_seed(seed)
+        model_class = get_model_class(getattr(model_info.hf_config, "architectures", None))
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(model_info.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(model_info.hf_config, self.parallel, attention_backend, self.device)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        self.model.eval()
+        load_safetensors_weights(self.model, model_info.model_dir, show_progress=show_progress)
+        self.attention_backend = self.model.attention_backend
+        self.num_kv_blocks = num_kv_blocks or max(1, kv_cache_memory_bytes // self.kv_cache_bytes_per_block())
+        self.kv_caches = [
+            self.attention_backend.allocate_kv_cache(self.num_kv_blocks, block_size, model_info.dtype, self.device)
+            for _ in range(model_info.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            self.num_kv_blocks,
+            block_size,
+            self.num_kv_blocks * block_size,
+            self.num_kv_blocks * self.kv_cache_bytes_per_block() / 2**30,
+        )
+        self.sampler = Sampler(model_info.eos_token_ids)
+        self.requests: dict[str, RunnerRequestState] = {}
+        # Seeded generators outlive preemption so a resumed request continues the same random stream.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def kv_cache_bytes_per_block(self) -> int:
+        backend = self.model.attention_backend
+        element_size = torch.tensor([], dtype=self.model_info.dtype).element_size()
+        per_token = 2 * backend.num_kv_heads * backend.head_dim * element_size * self.model_info.num_layers
+        return per_token * self.block_size
+
+    def _add_request(self, new: NewRequestData) -> None:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = self.generators.get(new.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)
+                self.generators[new.request_id] = generator
+        token_ids = new.prompt_token_ids + new.output_token_ids
+        num_prompt = len(new.prompt_token_ids)
+        row = SamplingRow(new.sampling_params, token_ids[:num_prompt], token_ids[num_prompt:], generator)
+        self.requests[new.request_id] = RunnerRequestState(
+            new.request_id, token_ids, num_prompt, row, list(new.block_ids), new.num_computed_tokens
+        )
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+            self.generators.pop(request_id, None)
+        for request_id in plan.preempted_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._add_request(new)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._update_states(plan)
+        if not plan.num_scheduled_tokens:
+            return StepResult()
+        # Decodes (one new token) first: the attention backend handles them as one padded group.
+        ordered = sorted(plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sampling_states: list[RunnerRequestState] = []
+        block_size = self.block_size
+        for request_id, num_tokens in ordered:
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            block_ids = state.block_ids
+            slot_mapping.extend(
+                block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
+            )
+            query_lens.append(num_tokens)
+            seq_lens.append(end)
+            block_tables.append(block_ids)
+            if end == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sampling_states.append(state)
+            state.num_computed_tokens = end
+        num_decodes = sum(1 for n in query_lens if n == 1)
+        attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes)
+        attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
+        input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata)
+        if not sample_rows:
+            return StepResult()
+        sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden_states.index_select(0, sample_index)).float()
+        sampled = self.sampler(logits, [state.sampling_row for state in sampling_states])
+        for state, token_id in zip(sampling_states, sampled.sampled_token_ids):
+            state.token_ids.append(token_id)
+            state.sampling_row.output_token_ids.append(token_id)
+        return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)

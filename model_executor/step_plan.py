@@ -1,0 +1,54 @@
+"""What the scheduler sends the model runner each step, and what comes back: plain data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from configs.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Sent once when a request is first scheduled, or again when it resumes after preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """request id -> tokens it advances this step."""
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests gone for good since the last step (finished or aborted): the runner forgets them."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+    """Requests whose blocks were taken back; they come again as new requests, keeping their seed state."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One sampled token per request that reached the end of its known tokens this step."""
+
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # model_executor.sampler.TokenLogprobs | None

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible Ray Serve ingress (arrives with the serving issue)."""
