@@ -1,0 +1,127 @@
+"""Shared fixtures: the real SmolLM2 weights (fetched by `make setup`) and tiny random Llamas for speed."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from model_executor.model_fetch import resolve_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model("smollm2-135m-instruct")
+
+
+def write_tiny_llama(directory: Path, tokenizer_source: Path, **config_overrides: Any) -> Path:
+    """A random-weight Llama with SmolLM2's tokenizer: 2 layers, 4 heads, 2 KV heads, peaked logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        # Large init so greedy choices have clear margins (std 0.02 gives near-ties that flip on rounding).
+        "initializer_range": 0.2,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **config_overrides,
+    }
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).exists():
+            shutil.copy(tokenizer_source / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """Tiny model with Llama 3 long-context rope scaling, to check our rotary tables against HF's."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), smollm2_dir, rope_parameters=rope)
+
+
+class HFReference:
+    """HF transformers greedy generation on the same weights: the correctness anchor.
+
+    Stops at EOS like our engine does (EOS included in the tokens), so compare with ignore_eos=False.
+    """
+
+    def __init__(self) -> None:
+        self.models: dict[Path, Any] = {}
+
+    def greedy(self, model_dir: Path, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        from transformers import AutoModelForCausalLM
+
+        if model_dir not in self.models:
+            self.models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        input_ids = torch.tensor([list(prompt_token_ids)])
+        with torch.inference_mode():
+            generated = self.models[model_dir].generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        return generated[0, input_ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm() -> Any:
+    from executor import LLM
+
+    return LLM(model="smollm2-135m-instruct", show_progress=False, num_kv_blocks=1024, max_num_seqs=64)
+
+
+@pytest.fixture
+def make_llm() -> Callable[..., Any]:
+    """Build an LLM per test configuration (tiny models load in well under a second)."""
+    from executor import LLM
+
+    def build(model_dir: Path, **engine_args: Any) -> Any:
+        engine_args.setdefault("num_kv_blocks", 256)
+        return LLM(model=str(model_dir), show_progress=False, **engine_args)
+
+    return build
+
+
+def assert_no_leaked_blocks(llm: Any) -> None:
+    """Every block is back in the free queue once no request is running."""
+    scheduler = llm.engine.scheduler
+    assert not scheduler.has_unfinished_requests()
+    pool = scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
