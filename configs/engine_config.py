@@ -30,7 +30,22 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")
-    num_threads: int | None = Field(None, ge=1, description="torch threads for the forward pass; default all cores.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads per model worker; default: the machine's cores split across workers."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks that split every layer (heads, MLP, vocab).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages that split the layers.")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray placement-group strategy for the worker bundles (one bundle per worker)."
+    )
+    worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs each worker's bundle reserves.")
+    distributed_executor: Literal["auto", "uniproc", "ray"] = Field(
+        "auto", description="auto: in-process for TP=PP=1 offline use, Ray worker actors otherwise."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def model_name(self) -> str:

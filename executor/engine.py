@@ -7,18 +7,17 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from transformers import AutoTokenizer
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.detokenizer import IncrementalDetokenizer
+from executor.executors import make_executor
 from executor.outputs import CompletionOutput, RequestOutput
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import ModelInfo, load_model_info
-from model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +73,30 @@ def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, mod
     return params.max_tokens
 
 
+def fit_context_to_kv_cache(model_info: ModelInfo, config: EngineConfig, num_kv_blocks: int) -> ModelInfo:
+    """Every admitted request must fit the cache alone, or preemption could never make room for it."""
+    capacity = num_kv_blocks * config.block_size
+    if model_info.max_model_len <= capacity:
+        return model_info
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is larger than the KV cache can hold ({capacity} tokens in "
+            f"{num_kv_blocks} blocks of {config.block_size}); raise kv_cache_memory_gib or lower max_model_len."
+        )
+    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", model_info.max_model_len, capacity)
+    return dataclasses.replace(model_info, max_model_len=capacity)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         model_dir = resolve_model(config.model)
         self.model_info = load_model_info(model_dir, config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.runner = ModelRunner(
-            self.model_info,
-            block_size=config.block_size,
-            kv_cache_memory_bytes=int(config.kv_cache_memory_gib * 2**30),
-            num_kv_blocks=config.num_kv_blocks,
-            seed=config.seed,
-            show_progress=show_progress,
-        )
+        self.executor = make_executor(config, self.model_info, show_progress=show_progress)
+        self.model_info = fit_context_to_kv_cache(self.model_info, config, self.executor.num_kv_blocks)
         self.scheduler = Scheduler(
-            config, self.runner.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
+            config, self.executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
         )
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
@@ -151,7 +156,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that changed (finished ones have finished=True)."""
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        result = self.executor.execute(plan)
         updates = self.scheduler.update_from_output(plan, result)
         changed: dict[str, ParentState] = {}
         for update in updates:

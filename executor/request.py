@@ -38,9 +38,9 @@ class Request:
         "max_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "num_tokens_sent",
         "request_id",
         "sampling_params",
-        "sent_to_runner",
         "status",
         "stop_reason",
         "token_ids",
@@ -66,7 +66,7 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily
         # Sibling of an n > 1 request: waits until this request has scheduled the shared prompt, then reuses it.
         self.gate_request_id = gate_request_id
-        self.sent_to_runner = False
+        self.num_tokens_sent = 0  # tokens the model runner already knows
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -34,6 +34,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, eos_token_ids: Iterable[int]):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        if max_model_len > num_kv_blocks * config.block_size:
+            # A request that outgrew the whole cache could only be preempted, forever.
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV cache ({num_kv_blocks} blocks of {config.block_size})"
+            )
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -67,7 +72,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.sent_to_runner = False
+        request.num_tokens_sent = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         logger.debug("preempted %s", request.request_id)
@@ -98,8 +103,14 @@ class Scheduler:
             if new_block_ids is None:
                 break
             plan.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+                CachedRequestData(
+                    request.request_id,
+                    new_block_ids,
+                    request.num_computed_tokens,
+                    request.token_ids[request.num_tokens_sent :],
+                )
             )
+            request.num_tokens_sent = request.num_tokens
             plan.num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
             index += 1
@@ -134,7 +145,7 @@ class Scheduler:
                     num_cached,
                 )
             )
-            request.sent_to_runner = True
+            request.num_tokens_sent = request.num_tokens
             plan.num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
         self.waiting.extendleft(reversed(skipped))

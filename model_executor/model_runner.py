@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from cuda_ext.attention import AttentionBatch
 from model_executor.model_info import ModelInfo
@@ -31,12 +32,12 @@ class RunnerRequestState:
 
 
 class ModelRunner:
+    """One rank's model shard, KV cache and request states. Call `allocate_kv_cache` before `execute`."""
+
     def __init__(
         self,
         model_info: ModelInfo,
         block_size: int,
-        kv_cache_memory_bytes: int,
-        num_kv_blocks: int | None = None,
         parallel: ParallelContext | None = None,
         attention_backend: str = "auto",
         seed: int = 0,
@@ -58,28 +59,37 @@ class ModelRunner:
         self.model.eval()
         load_safetensors_weights(self.model, model_info.model_dir, show_progress=show_progress)
         self.attention_backend = self.model.attention_backend
-        self.num_kv_blocks = num_kv_blocks or max(1, kv_cache_memory_bytes // self.kv_cache_bytes_per_block())
-        self.kv_caches = [
-            self.attention_backend.allocate_kv_cache(self.num_kv_blocks, block_size, model_info.dtype, self.device)
-            for _ in range(model_info.num_layers)
-        ]
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
-            self.num_kv_blocks,
-            block_size,
-            self.num_kv_blocks * block_size,
-            self.num_kv_blocks * self.kv_cache_bytes_per_block() / 2**30,
-        )
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
+        # The last stage's first tensor-parallel rank samples; the others only compute.
+        self.is_driver = self.parallel.is_last_stage and self.parallel.tp_rank == 0
         self.sampler = Sampler(model_info.eos_token_ids)
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a resumed request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
 
     def kv_cache_bytes_per_block(self) -> int:
-        backend = self.model.attention_backend
+        backend = self.attention_backend
         element_size = torch.tensor([], dtype=self.model_info.dtype).element_size()
-        per_token = 2 * backend.num_kv_heads * backend.head_dim * element_size * self.model_info.num_layers
+        per_token = 2 * backend.num_kv_heads * backend.head_dim * element_size * self.model.num_local_layers
         return per_token * self.block_size
+
+    def num_kv_blocks_for_budget(self, memory_bytes: int) -> int:
+        return max(1, memory_bytes // self.kv_cache_bytes_per_block())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = [
+            self.attention_backend.allocate_kv_cache(num_blocks, self.block_size, self.model_info.dtype, self.device)
+            for _ in range(self.model.num_local_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB on this rank)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**30,
+        )
 
     def _add_request(self, new: NewRequestData) -> None:
         generator = None
@@ -108,6 +118,9 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:
+                state.token_ids.extend(cached.new_token_ids)
+                state.sampling_row.output_token_ids.extend(cached.new_token_ids)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -147,13 +160,35 @@ class ModelRunner:
         attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata)
+        intermediate = None
+        if not self.parallel.is_first_stage:
+            intermediate = self._receive_intermediate(len(input_ids))
+        hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate)
+        if not self.parallel.is_last_stage:
+            self._send_intermediate(hidden_states)
+            return StepResult()
         if not sample_rows:
             return StepResult()
         sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden_states.index_select(0, sample_index)).float()
+        if not self.is_driver:
+            return StepResult()
         sampled = self.sampler(logits, [state.sampling_row for state in sampling_states])
-        for state, token_id in zip(sampling_states, sampled.sampled_token_ids):
-            state.token_ids.append(token_id)
-            state.sampling_row.output_token_ids.append(token_id)
         return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
+
+    def _stage_peer(self, stage_offset: int) -> int:
+        """Global rank of the same tensor-parallel rank in a neighbouring pipeline stage."""
+        return (self.parallel.pp_rank + stage_offset) * self.parallel.tp_size + self.parallel.tp_rank
+
+    def _send_intermediate(self, tensors: tuple[torch.Tensor, torch.Tensor]) -> None:
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), dst=self._stage_peer(+1))
+
+    def _receive_intermediate(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_tokens, self.model_info.hf_config.hidden_size)
+        received = []
+        for _ in range(2):
+            tensor = torch.empty(shape, dtype=self.model_info.dtype, device=self.device)
+            dist.recv(tensor, src=self._stage_peer(-1))
+            received.append(tensor)
+        return received[0], received[1]

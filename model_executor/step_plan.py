@@ -27,6 +27,8 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens sampled since the runner last heard of the request (every rank learns them, not only the sampler)."""
 
 
 @dataclass(slots=True)

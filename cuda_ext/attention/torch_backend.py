@@ -24,7 +24,7 @@ class PaddedGroup:
     num_seqs: int
     max_query_len: int
     gathered_block_ids: torch.Tensor  # [num_seqs * max_blocks] block ids, padding points at block 0
-    attn_bias: torch.Tensor  # [num_seqs, 1, max_query_len, max_blocks * block_size], 0 or -inf
+    attn_bias: torch.Tensor  # [num_seqs, 1, group_size * max_query_len (or 1), max_blocks * block_size], 0 or -inf
     pad_index: torch.Tensor | None  # [num_seqs * max_query_len] group rows feeding each padded query row
     unpad_index: torch.Tensor | None  # [group tokens] padded rows holding each real query row
     key_buffer: torch.Tensor | None = None  # reused by every layer of the step
@@ -82,6 +82,10 @@ class TorchAttentionBackend(AttentionBackend):
         # Padded query rows look at key 0 only, so no row is all -inf (which would give NaN).
         allowed = torch.where(is_real_query[:, :, None], allowed, key_positions[None, None, :] == 0)
         attn_bias = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+        group_size = self.num_heads // self.num_kv_heads
+        if max_query_len > 1 and group_size > 1:
+            # Rows ordered (query head in group, query position) to match the folded query layout.
+            attn_bias = attn_bias.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(num_seqs, -1, attn_bias.shape[-1])
 
         pad_index = unpad_index = None
         if max_query_len > 1:
@@ -137,15 +141,17 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(kv_cache[0], 0, group.gathered_block_ids, out=group.key_buffer)
         torch.index_select(kv_cache[1], 0, group.gathered_block_ids, out=group.value_buffer)
         num_seqs, max_query_len = group.num_seqs, group.max_query_len
-        keys = group.key_buffer.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = group.value_buffer.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        num_kv_heads, group_size, head_dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        keys = group.key_buffer.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = group.value_buffer.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
         if group.pad_index is not None:
             query = query.index_select(0, group.pad_index)
-        padded_query = query.view(num_seqs, max_query_len, self.num_heads, self.head_dim).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            padded_query, keys, values, attn_mask=group.attn_bias, scale=self.scale, enable_gqa=True
-        )
-        attended = attended.transpose(1, 2).reshape(num_seqs * max_query_len, self.num_heads * self.head_dim)
+        # GQA folded into the query-length axis: each KV head is read once for all its query heads.
+        query = query.view(num_seqs, max_query_len, num_kv_heads, group_size, head_dim)
+        query = query.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * max_query_len, head_dim)
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.attn_bias, scale=self.scale)
+        attended = attended.view(num_seqs, num_kv_heads, group_size, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+        attended = attended.reshape(num_seqs * max_query_len, self.num_heads * head_dim)
         if group.unpad_index is not None:
             attended = attended.index_select(0, group.unpad_index)
         return attended

@@ -47,12 +47,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", freqs.cos(), persistent=False)
         self.register_buffer("sin_table", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token tables, looked up once per step and shared by every layer: [tokens, 1, head_dim / 2]."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
         """query: [tokens, heads, head_dim], key: [tokens, kv_heads, head_dim]; rotated in place."""
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
+        cos, sin = cos_sin
+        half = self.head_dim // 2
         for x in (query, key):
-            half = self.head_dim // 2
             x1, x2 = x[..., :half], x[..., half:]
             x1_float, x2_float = x1.float(), x2.float()
             rotated_first = x1_float * cos - x2_float * sin

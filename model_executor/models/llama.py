@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +24,15 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(rope_theta), rope_scaling
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """Per-step values every layer reads, computed once per forward."""
+
+    attn_metadata: Any
+    rotary: RotaryEmbedding
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
         super().__init__()
@@ -41,8 +51,6 @@ class LlamaAttention(nn.Module):
             parallel,
             bias=getattr(config, "attention_bias", False),
         )
-        rope_theta, rope_scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.attn: AttentionBackend = get_attention_backend(
@@ -54,17 +62,15 @@ class LlamaAttention(nn.Module):
             getattr(config, "sliding_window", None),
         )
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
+    def forward(self, step: StepInputs, hidden_states: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         query = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         key = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         value = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         query, key = query.contiguous(), key.contiguous()
-        self.rotary(positions, query, key)
-        attended = self.attn.forward(query, key, value, kv_cache, attn_metadata)
+        step.rotary.apply(query, key, step.cos_sin)
+        attended = self.attn.forward(query, key, value, kv_cache, step.attn_metadata)
         return self.o_proj(attended)
 
 
@@ -95,19 +101,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: Any,
+        self, step: StepInputs, hidden_states: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states = self.self_attn(step, hidden_states, kv_cache)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -127,19 +128,35 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, parallel, attention_backend, device) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+        self.parallel = parallel
+        self.start_layer, self.end_layer = parallel.stage_layer_range(config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # Pipeline stages hold only their own layers; keys keep the checkpoint's global layer numbers.
+        self.layers = nn.ModuleDict(
+            {
+                str(index): LlamaDecoderLayer(config, parallel, attention_backend, device)
+                for index in range(self.start_layer, self.end_layer)
+            }
+        )
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope_theta, rope_scaling = rope_settings(config)
+        # One table for all layers: positions are looked up once per step, not once per layer.
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+            if self.tie_word_embeddings and parallel.is_first_stage:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
 
     @property
     def attention_backend(self) -> AttentionBackend:
-        return self.layers[0].self_attn.attn
+        return self.layers[str(self.start_layer)].self_attn.attn
 
     def forward(
         self,
@@ -147,11 +164,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: Any,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Last stage: final hidden states. Other stages: (hidden, residual) for the next stage.
+
+        Stages after the first take the previous stage's (hidden, residual) as `intermediate`.
+        """
+        step = StepInputs(attn_metadata, self.rotary, self.rotary.cos_sin(positions))
+        if self.parallel.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
+            hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
+        if not self.parallel.is_last_stage:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -165,6 +192,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
+        if name == "embed_tokens.weight" and self.tie_word_embeddings and not self.parallel.is_first_stage:
+            # A last stage without the embedding still needs the tied weights for its LM head.
+            return "lm_head.weight", None
         for checkpoint_part, (param_part, shard_id) in self.packed_modules_mapping.items():
             if f".{checkpoint_part}." in name:
                 return name.replace(f".{checkpoint_part}.", f".{param_part}."), shard_id

@@ -1,0 +1,172 @@
+"""Executors run a StepPlan on the model workers: in-process, or on Ray worker actors (TP x PP)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from abc import ABC, abstractmethod
+
+from configs.engine_config import EngineConfig
+from executor.worker import ModelWorker
+from model_executor.model_info import ModelInfo
+from model_executor.step_plan import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+HEALTH_TIMEOUT_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """A model worker died or failed; the engine cannot go on and must be rebuilt."""
+
+
+def default_threads_per_worker(config: EngineConfig) -> int:
+    if config.num_threads:
+        return config.num_threads
+    return max(1, (os.cpu_count() or 1) // config.world_size)
+
+
+class Executor(ABC):
+    num_kv_blocks: int
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    async def execute_async(self, plan: StepPlan) -> StepResult:
+        return self.execute(plan)
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a worker is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and their resources."""
+
+
+class UniProcExecutor(Executor):
+    """The model in this process: offline use with TP = PP = 1."""
+
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, show_progress: bool = True):
+        self.worker = ModelWorker(model_info, config, 0, 0, default_threads_per_worker(config))
+        budget_blocks = self.worker.load_model(show_progress=show_progress)
+        self.num_kv_blocks = config.num_kv_blocks or budget_blocks
+        self.worker.allocate_kv_cache(self.num_kv_blocks)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.worker.execute(plan)
+
+    def check_health(self) -> None:
+        """In-process: a failing forward raises in the caller; nothing can die separately."""
+
+    def shutdown(self) -> None:
+        self.worker.runner = None
+
+
+class RayExecutor(Executor):
+    """One Ray actor per (pp_rank, tp_rank) in a placement group; the plan goes to every rank each step."""
+
+    def __init__(self, config: EngineConfig, model_info: ModelInfo):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        use_gpu = model_info.device == "cuda"
+        bundle = {"CPU": config.worker_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
+        self.placement_group = placement_group([bundle] * config.world_size, strategy=config.placement_strategy)
+        try:
+            ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as error:
+            ray.util.remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"could not reserve {config.world_size} worker bundles of {bundle} ({config.placement_strategy}) "
+                f"within {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.available_resources()} available"
+            ) from error
+        threads = default_threads_per_worker(config)
+        worker_class = ray.remote(ModelWorker)
+        self.workers = []
+        for pp_rank in range(config.pipeline_parallel_size):
+            for tp_rank in range(config.tensor_parallel_size):
+                bundle_index = pp_rank * config.tensor_parallel_size + tp_rank
+                self.workers.append(
+                    worker_class.options(
+                        num_cpus=config.worker_num_cpus,
+                        num_gpus=1 if use_gpu else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
+                        name=None,
+                    ).remote(model_info, config, pp_rank, tp_rank, threads)
+                )
+        # The last stage's first TP rank samples and returns the step's tokens.
+        self.driver_index = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        try:
+            if config.world_size > 1:
+                address, port = ray.get(self.workers[0].address_and_free_port.remote())
+                ray.get([worker.init_distributed.remote(address, port) for worker in self.workers])
+            budget_blocks = ray.get([worker.load_model.remote() for worker in self.workers])
+            self.num_kv_blocks = config.num_kv_blocks or min(budget_blocks)
+            ray.get([worker.allocate_kv_cache.remote(self.num_kv_blocks) for worker in self.workers])
+        except Exception:
+            self.shutdown()
+            raise
+        logger.info(
+            "%d model workers up (TP=%d, PP=%d, %d threads each), %d KV blocks",
+            config.world_size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            threads,
+            self.num_kv_blocks,
+        )
+
+    def _submit(self, plan: StepPlan) -> list:
+        import ray
+
+        plan_ref = ray.put(plan) if len(self.workers) > 1 else plan
+        return [worker.execute.remote(plan_ref) for worker in self.workers]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import ray
+
+        try:
+            return ray.get(self._submit(plan))[self.driver_index]
+        except ray.exceptions.RayError as error:
+            raise EngineDeadError(f"model worker failed: {error}") from error
+
+    async def execute_async(self, plan: StepPlan) -> StepResult:
+        import ray
+
+        try:
+            return (await asyncio.gather(*self._submit(plan)))[self.driver_index]
+        except ray.exceptions.RayError as error:
+            raise EngineDeadError(f"model worker failed: {error}") from error
+
+    def check_health(self) -> None:
+        import ray
+
+        try:
+            ray.get([worker.ping.remote() for worker in self.workers], timeout=HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
+            raise EngineDeadError(f"model worker unhealthy: {error}") from error
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in getattr(self, "workers", []):
+            ray.kill(worker)
+        self.workers = []
+        if getattr(self, "placement_group", None) is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def make_executor(config: EngineConfig, model_info: ModelInfo, show_progress: bool = True) -> Executor:
+    kind = config.distributed_executor
+    if kind == "auto":
+        kind = "uniproc" if config.world_size == 1 else "ray"
+    if kind == "uniproc":
+        if config.world_size > 1:
+            raise ValueError("tensor/pipeline parallelism needs distributed_executor 'ray'")
+        return UniProcExecutor(config, model_info, show_progress)
+    return RayExecutor(config, model_info)
