@@ -28,7 +28,7 @@ test: setup lint
 	$(BIN)/python -m pytest -q
 
 serve: setup
-	$(BIN)/pagedserve serve
+	$(BIN)/pagedserve serve --config configs/default.yaml
 
 bench-offline: setup
 	$(BIN)/pagedserve bench-offline

@@ -26,11 +26,15 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    logger.error(
-        "`pagedserve serve` is not available yet: the Ray Serve OpenAI server lands with the serving issue. "
-        "Use the offline API today: `from executor import LLM, SamplingParams`."
-    )
-    return 2
+    from cluster.serve import serve_forever
+    from configs.app_config import AppConfig
+
+    config = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    overrides = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    if overrides:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update=overrides)})
+    serve_forever(config)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-json", default=None)
     bench.set_defaults(handler=cmd_bench_offline)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI API (arrives with the serving issue)")
-    serve.add_argument("--config", default=None)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = commands.add_parser("serve", help="serve the OpenAI API on Ray Serve until Ctrl-C")
+    serve.add_argument("--config", default=None, help="a YAML preset (path, or a name under configs/)")
+    serve.add_argument("--host", default=None, help="overrides serve.host")
+    serve.add_argument("--port", type=int, default=None, help="overrides serve.port")
     serve.set_defaults(handler=cmd_serve)
     return parser
 

@@ -41,6 +41,9 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise EngineDeadError when a worker is gone."""
 
+    async def check_health_async(self) -> None:
+        self.check_health()
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and their resources."""
@@ -149,6 +152,14 @@ class RayExecutor(Executor):
             ray.get([worker.ping.remote() for worker in self.workers], timeout=HEALTH_TIMEOUT_S)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
             raise EngineDeadError(f"model worker unhealthy: {error}") from error
+
+    async def check_health_async(self) -> None:
+        import ray
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*[worker.ping.remote() for worker in self.workers]), HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            raise EngineDeadError(f"model worker unhealthy: {error!r}") from error
 
     def shutdown(self) -> None:
         import ray

@@ -39,6 +39,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from configs.engine_config import DEFAULT_MODEL
+from model_executor.tiny_model import TINY_ALIAS, ensure_tiny_random_llama
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,9 @@ def resolve_model(name_or_path: str, home: Path | None = None) -> Path:
     """
     if name_or_path in MODEL_ALIASES:
         return fetch_model(name_or_path, home)
+    if name_or_path == TINY_ALIAS:
+        home = home if home is not None else pagedserve_home()
+        return ensure_tiny_random_llama(home / "models", fetch_model(DEFAULT_MODEL, home))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         missing = []
@@ -187,7 +191,7 @@ def resolve_model(name_or_path: str, home: Path | None = None) -> Path:
     else:
         problem = f"{name_or_path!r} is neither a known model alias nor an existing directory"
     raise ValueError(
-        f"cannot resolve model: {problem}. Known aliases: {', '.join(sorted(MODEL_ALIASES))}. "
+        f"cannot resolve model: {problem}. Known aliases: {', '.join(sorted([*MODEL_ALIASES, TINY_ALIAS]))}. "
         "A local model directory must contain config.json and *.safetensors weights (plus tokenizer files)."
     )
 

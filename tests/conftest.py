@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,7 @@ import pytest
 import torch
 
 from model_executor.model_fetch import resolve_model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+from model_executor.tiny_model import TINY_ALIAS, write_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -20,38 +18,9 @@ def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
-def write_tiny_llama(directory: Path, tokenizer_source: Path, **config_overrides: Any) -> Path:
-    """A random-weight Llama with SmolLM2's tokenizer: 2 layers, 4 heads, 2 KV heads, peaked logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = {
-        "vocab_size": 49152,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        # Large init so greedy choices have clear margins (std 0.02 gives near-ties that flip on rounding).
-        "initializer_range": 0.2,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        **config_overrides,
-    }
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
-    model.save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_source / name).exists():
-            shutil.copy(tokenizer_source / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+def tiny_model_dir() -> Path:
+    return resolve_model(TINY_ALIAS)
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +94,36 @@ def assert_no_leaked_blocks(llm: Any) -> None:
     pool = scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Any:
+    """One local Ray for the whole session, with more logical CPUs than cores so TP=3 and TP x PP fit."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster: Any) -> int:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port

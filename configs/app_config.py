@@ -1,0 +1,91 @@
+"""The serving configuration: one YAML file with model, cache, scheduler, parallel and serve sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from configs.engine_config import DEFAULT_MODEL, EngineConfig
+
+CONFIG_DIR = Path(__file__).parent
+
+
+class Section(BaseModel):
+    # Unknown keys are rejected with the key named, so a typo never silently falls back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class ModelSection(Section):
+    name: str = Field(DEFAULT_MODEL, description="Model alias or local HF directory.")
+    served_model_name: str | None = Field(None, description="Model id in the API; defaults to the name.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+
+
+class CacheSection(Section):
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+
+
+class SchedulerSection(Section):
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    seed: int = 0
+
+
+class ParallelSection(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs per model worker.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers.")
+
+
+class ServeSection(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    app_name: str = "pagedserve"
+    ingress_replicas: int = Field(1, ge=1, description="Ray Serve replicas of the HTTP ingress.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent requests per ingress replica.")
+    ingress_num_cpus: float = Field(0.5, ge=0)
+
+
+class AppConfig(Section):
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    parallel: ParallelSection = ParallelSection()
+    serve: ServeSection = ServeSection()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        """Load a preset; a bare name like `default` means configs/default.yaml."""
+        path = Path(path)
+        if not path.exists() and (CONFIG_DIR / f"{path.name}.yaml").exists():
+            path = CONFIG_DIR / f"{path.name}.yaml"
+        with open(path) as config_file:
+            values = yaml.safe_load(config_file) or {}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise ValueError(f"invalid config {path}: {error}") from error
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model.name,
+            served_model_name=self.model.served_model_name,
+            dtype=self.model.dtype,
+            device=self.model.device,
+            max_model_len=self.model.max_model_len,
+            **self.cache.model_dump(),
+            **self.scheduler.model_dump(),
+            **self.parallel.model_dump(),
+            distributed_executor="ray",
+        )

@@ -1,0 +1,146 @@
+"""The scheduler actor: one per engine replica. Owns the EngineCore, runs the step loop in the background,
+and hands outputs to each ingress replica in one batch per call (never one Ray call per token per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from configs.engine_config import EngineConfig
+from configs.sampling_params import SamplingParams
+from executor.engine_core import EngineCore, EngineOutput
+from executor.executors import EngineDeadError, RayExecutor
+from model_executor.model_fetch import resolve_model
+from model_executor.model_info import load_model_info
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_POLL_TIMEOUT_S = 2.0
+
+
+class EngineActor:
+    """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
+
+    def __init__(self, config: EngineConfig):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config = config
+        model_dir = resolve_model(config.model)
+        model_info = load_model_info(model_dir, config)
+        self.core = EngineCore(config, model_info, RayExecutor(config, model_info))
+        self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
+        self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.request_client: dict[str, str] = {}
+        self.new_work = asyncio.Event()
+        self.loop_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+        self.num_steps = 0
+
+    def _ensure_loop(self) -> None:
+        if self.loop_task is None:
+            self.loop_task = asyncio.get_running_loop().create_task(self._run_steps())
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    async def engine_info(self) -> dict[str, Any]:
+        """What an ingress needs to validate requests the way the engine will."""
+        info = self.core.model_info
+        return {
+            "max_model_len": info.max_model_len,
+            "vocab_size": info.vocab_size,
+            "num_kv_blocks": self.core.executor.num_kv_blocks,
+            "block_size": self.config.block_size,
+        }
+
+    async def add_request(
+        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Raises ValueError on bad input (nothing is queued) and EngineDeadError once the engine is down."""
+        self._raise_if_dead()
+        self._ensure_loop()
+        self.core.add_request(request_id, prompt_token_ids, params)
+        self.request_client[request_id] = client_id
+        self.new_work.set()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        self.core.abort_request(request_ids)
+        for request_id in request_ids:
+            self.request_client.pop(request_id, None)
+
+    async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
+        self.core.stop_completion(request_id, index, stop_string)
+        if request_id not in self.core.children:
+            self.request_client.pop(request_id, None)
+
+    async def get_outputs(self, client_id: str) -> list[EngineOutput]:
+        """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        self._ensure_loop()
+        event = self.client_events[client_id]
+        if not self.client_outputs.get(client_id):
+            self._raise_if_dead()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), OUTPUT_POLL_TIMEOUT_S)
+        event.clear()
+        outputs = self.client_outputs.pop(client_id, [])
+        if not outputs:
+            self._raise_if_dead()
+        return outputs
+
+    async def check_health(self) -> None:
+        self._raise_if_dead()
+        await self.core.executor.check_health_async()
+
+    async def stats(self) -> dict[str, Any]:
+        scheduler = self.core.scheduler
+        kv_cache = scheduler.kv_cache
+        return {
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_free_blocks": kv_cache.num_free_blocks,
+            "num_kv_blocks": kv_cache.pool.num_blocks,
+            "kv_cache_usage": kv_cache.usage,
+            "num_preemptions": scheduler.num_preemptions,
+            "prefix_cache_queries": kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": kv_cache.prefix_cache_hits,
+            "num_steps": self.num_steps,
+        }
+
+    async def worker_actor_ids(self) -> list[str]:
+        return [worker._actor_id.hex() for worker in self.core.executor.workers]
+
+    async def _run_steps(self) -> None:
+        while True:
+            if not self.core.has_unfinished_requests():
+                self.new_work.clear()
+                await self.new_work.wait()
+                continue
+            try:
+                outputs = await self.core.step_async()
+            except Exception as error:
+                self.dead_reason = f"engine step failed: {error}"
+                logger.exception("engine step failed; the engine is down")
+                for event in self.client_events.values():
+                    event.set()
+                return
+            self.num_steps += 1
+            for output in outputs:
+                client_id = self.request_client.get(output.request_id)
+                if client_id is None:
+                    continue
+                self.client_outputs[client_id].append(output)
+                self.client_events[client_id].set()
+                if output.finish_reason is not None and output.request_id not in self.core.children:
+                    self.request_client.pop(output.request_id, None)
+            # Yield so queued add_request / abort calls land between steps.
+            await asyncio.sleep(0)
+
+    async def shutdown(self) -> None:
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        self.core.shutdown()

@@ -1,0 +1,175 @@
+"""EngineCore: scheduler + executor in token ids only. The offline engine and the scheduler actor wrap it.
+
+A request with n > 1 becomes n sequences `"{request_id}#{index}"`; the later ones wait until the first has
+scheduled the shared prompt, then reuse its KV blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from configs.engine_config import EngineConfig
+from configs.sampling_params import SamplingParams
+from executor.executors import Executor
+from executor.request import Request, RequestStatus
+from executor.scheduler import Scheduler
+from model_executor.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """New tokens of one completion (request_id, index) from one engine step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo) -> int:
+    """Checks that need the model; returns the request's effective max_tokens. Raises ValueError."""
+    num_prompt = len(prompt_token_ids)
+    max_model_len = model_info.max_model_len
+    if num_prompt == 0:
+        raise ValueError("prompt must not be empty.")
+    out_of_vocab = [t for t in prompt_token_ids if not 0 <= t < model_info.vocab_size]
+    if out_of_vocab:
+        raise ValueError(
+            f"prompt token id {out_of_vocab[0]} is out of the vocabulary (valid ids: 0..{model_info.vocab_size - 1})."
+        )
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt} input tokens. Please reduce the length of the input."
+        )
+    params.verify_against_vocab(model_info.vocab_size)
+    if params.max_tokens is None:
+        return max_model_len - num_prompt
+    if num_prompt + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, {params.max_tokens} in "
+            f"max_tokens). Please reduce the length of the prompt or max_tokens."
+        )
+    return params.max_tokens
+
+
+def fit_context_to_kv_cache(model_info: ModelInfo, config: EngineConfig, num_kv_blocks: int) -> ModelInfo:
+    """Every admitted request must fit the cache alone, or preemption could never make room for it."""
+    capacity = num_kv_blocks * config.block_size
+    if model_info.max_model_len <= capacity:
+        return model_info
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is larger than the KV cache can hold ({capacity} tokens in "
+            f"{num_kv_blocks} blocks of {config.block_size}); raise kv_cache_memory_gib or lower max_model_len."
+        )
+    logger.warning("max_model_len lowered from %d to %d to fit the KV cache", model_info.max_model_len, capacity)
+    return dataclasses.replace(model_info, max_model_len=capacity)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, executor: Executor):
+        self.config = config
+        self.executor = executor
+        self.model_info = fit_context_to_kv_cache(model_info, config, executor.num_kv_blocks)
+        self.scheduler = Scheduler(
+            config, executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
+        )
+        self.children: dict[str, list[str]] = {}  # request id -> its sequences' ids
+        self.sequence_owner: dict[str, tuple[str, int]] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Validate and queue; raises ValueError and changes nothing on bad input."""
+        if request_id in self.children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = list(prompt_token_ids)
+        max_tokens = validate_prompt(prompt_token_ids, params, self.model_info)
+        first_child = child_request_id(request_id, 0)
+        child_ids = []
+        for index in range(params.n):
+            child_id = child_request_id(request_id, index)
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                # Each completion draws its own random stream, reproducibly.
+                child_params = dataclasses.replace(params, seed=params.seed + index)
+            self.scheduler.add_request(
+                Request(child_id, prompt_token_ids, child_params, max_tokens, first_child if index else None)
+            )
+            self.sequence_owner[child_id] = (request_id, index)
+            child_ids.append(child_id)
+        self.children[request_id] = child_ids
+
+    def abort_request(self, request_ids: Sequence[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            child_ids = self.children.pop(request_id, [])
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for child_id in child_ids:
+                self.sequence_owner.pop(child_id, None)
+
+    def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
+        """A stop string was found downstream (by the detokenizer): finish that completion and free its blocks."""
+        self.scheduler.finish_requests(
+            [child_request_id(request_id, index)], RequestStatus.FINISHED_STOPPED, stop_string
+        )
+        self._forget_if_done(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        plan = self.scheduler.schedule()
+        result = self.executor.execute(plan)
+        return self._collect(plan, result)
+
+    async def step_async(self) -> list[EngineOutput]:
+        plan = self.scheduler.schedule()
+        result = await self.executor.execute_async(plan)
+        return self._collect(plan, result)
+
+    def _collect(self, plan, result) -> list[EngineOutput]:
+        outputs = []
+        finished_parents = set()
+        for update in self.scheduler.update_from_output(plan, result):
+            owner = self.sequence_owner.get(update.request.request_id)
+            if owner is None:
+                continue
+            request_id, index = owner
+            request = update.request
+            outputs.append(
+                EngineOutput(
+                    request_id,
+                    index,
+                    update.new_token_ids,
+                    update.new_logprobs,
+                    request.finish_reason if update.finished else None,
+                    request.stop_reason if update.finished else None,
+                )
+            )
+            if update.finished:
+                finished_parents.add(request_id)
+        for request_id in finished_parents:
+            self._forget_if_done(request_id)
+        return outputs
+
+    def _forget_if_done(self, request_id: str) -> None:
+        child_ids = self.children.get(request_id, [])
+        if all(child_id not in self.scheduler.requests for child_id in child_ids):
+            self.children.pop(request_id, None)
+            for child_id in child_ids:
+                self.sequence_owner.pop(child_id, None)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

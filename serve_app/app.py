@@ -1,0 +1,423 @@
+"""The OpenAI-compatible Ray Serve ingress: HTTP, validation, chat template, tokenization, detokenization, SSE.
+
+`build_app(config)` returns the bound application; the same import path serves `serve run`, `serve deploy`
+and a KubeRay serveConfigV2: `import_path: serve_app.app:build_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from configs.app_config import AppConfig
+from configs.sampling_params import SamplingParams
+from executor.engine_actor import EngineActor
+from executor.executors import EngineDeadError
+from executor.output_processor import OutputProcessor, RequestState
+from model_executor.model_fetch import resolve_model
+from serve_app.engine_client import EngineClient
+from serve_app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    message_text,
+    now,
+    random_id,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE_READY_TIMEOUT_S = 600.0
+
+
+class RequestError(Exception):
+    """A client error: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, error_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param = status, message, error_type, param
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
+    return f"{app_name}-engine-{replica_index}"
+
+
+def get_or_create_engine(config: AppConfig) -> Any:
+    """The scheduler actor of this app; the first ingress replica creates it, the others find it by name."""
+    engine_class = ray.remote(EngineActor)
+    return engine_class.options(
+        name=engine_actor_name(config.serve.app_name),
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=10_000,
+    ).remote(config.engine_config())
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        payload = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(400, f"request body is not valid JSON: {error}") from error
+    if not isinstance(payload, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise RequestError(400, f"{param}: {first['msg']}", param=param) from error
+
+
+class OpenAIIngress:
+    """One ingress replica: speaks HTTP and text; the scheduler actor deals in token ids only."""
+
+    def __init__(self, app_config: dict[str, Any]):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from transformers import AutoTokenizer
+
+        self.config = AppConfig.model_validate(app_config)
+        self.model_name = self.config.engine_config().model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
+        engine = get_or_create_engine(self.config)
+        self.engine_info = ray.get(engine.engine_info.remote(), timeout=ENGINE_READY_TIMEOUT_S)
+        self.client = EngineClient(engine)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self.list_models,
+            ("GET", "/health"): self.health,
+        }
+        logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path.rstrip("/") or "/"
+        handler = self.routes.get((request.method, path))
+        if handler is None:
+            known = sorted({route_path for _, route_path in self.routes})
+            status = 405 if any(route_path == path for _, route_path in self.routes) else 404
+            return error_response(status, f"no route {request.method} {path}; routes: {known}", "NotFoundError")
+        try:
+            return await handler(request)
+        except RequestError as error:
+            return error_response(error.status, error.message, error.error_type, error.param)
+        except EngineDeadError as error:
+            return error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it."""
+        await self.client.engine.check_health.remote()
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await asyncio.wait_for(self.client.engine.check_health.remote(), 10)
+        except Exception as error:
+            return error_response(503, f"engine unhealthy: {error}", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    async def list_models(self, request: Request) -> Response:
+        model = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "pagedserve"}
+        model["max_model_len"] = self.engine_info["max_model_len"]
+        return JSONResponse({"object": "list", "data": [model]})
+
+    def _check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise RequestError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
+
+    def _sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as error:
+            raise RequestError(400, str(error)) from error
+
+    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, self.tokenizer.encode(prompt))]
+        if not prompt:
+            raise RequestError(400, "prompt must not be empty.", param="prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(item, str) for item in prompt):
+            return [(item, self.tokenizer.encode(item)) for item in prompt]
+        return [(None, list(item)) for item in prompt]
+
+    async def _generate(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestState]:
+        """Yields the request's state each time it changes, until every completion finished."""
+        state = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        try:
+            async with contextlib.aclosing(self.client.generate(request_id, prompt_token_ids, params)) as stream:
+                async for outputs in stream:
+                    processed = self.processor.process(outputs)
+                    for stopped_id, index, stop_string in processed.stop_strings:
+                        await self.client.stop_completion(stopped_id, index, stop_string)
+                    if processed.changed:
+                        yield state
+                    if state.output.finished:
+                        return
+        except ValueError as error:
+            raise RequestError(400, str(error)) from error
+        finally:
+            self.processor.requests.pop(request_id, None)
+
+    async def _merged(
+        self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> AsyncIterator[tuple[int, RequestState]]:
+        """Run every prompt at once; yield (prompt index, state) as they progress."""
+        if len(prompts) == 1:
+            prompt, token_ids = prompts[0]
+            async with contextlib.aclosing(self._generate(base_id, prompt, token_ids, params)) as stream:
+                async for state in stream:
+                    yield 0, state
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def run(prompt_index: int, prompt: str | None, token_ids: list[int]) -> None:
+            try:
+                async with contextlib.aclosing(
+                    self._generate(f"{base_id}-{prompt_index}", prompt, token_ids, params)
+                ) as stream:
+                    async for state in stream:
+                        queue.put_nowait((prompt_index, state))
+            except BaseException as error:
+                queue.put_nowait(error)
+                raise
+            finally:
+                queue.put_nowait(done)
+
+        tasks = [asyncio.create_task(run(index, *prompt)) for index, prompt in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        self._check_model(body.model)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        prompts = self._completion_prompts(body.prompt)
+        completion_id = random_id("cmpl")
+        created = now()
+        if body.stream:
+            return self._stream(self._completion_chunks(completion_id, created, prompts, params, body))
+        final: dict[int, RequestState] = {}
+        async for prompt_index, state in self._merged(completion_id, prompts, params):
+            final[prompt_index] = state
+        choices = []
+        num_completion_tokens = 0
+        for prompt_index, (prompt, _) in enumerate(prompts):
+            output = final[prompt_index].output
+            for completion in output.outputs:
+                num_completion_tokens += len(completion.token_ids)
+                text = completion.text
+                if body.echo:
+                    text = (prompt or self.tokenizer.decode(output.prompt_token_ids)) + text
+                choices.append(
+                    {
+                        "index": prompt_index * params.n + completion.index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                    }
+                )
+        num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+        return JSONResponse(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(num_prompt_tokens, num_completion_tokens),
+            }
+        )
+
+    async def _completion_chunks(
+        self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: CompletionRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        num_completion_tokens = 0
+        async for prompt_index, state in self._merged(completion_id, prompts, params):
+            for delta in state.deltas:
+                num_completion_tokens += len(delta.token_ids)
+                if not delta.text and delta.finish_reason is None:
+                    continue
+                yield {
+                    "id": completion_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [
+                        {
+                            "index": prompt_index * params.n + delta.index,
+                            "text": delta.text,
+                            "logprobs": None,
+                            "finish_reason": delta.finish_reason,
+                            "stop_reason": delta.stop_reason,
+                        }
+                    ],
+                }
+        if body.stream_options and body.stream_options.include_usage:
+            num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+            yield {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage(num_prompt_tokens, num_completion_tokens),
+            }
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not body.messages:
+            raise RequestError(400, "messages must not be empty.", param="messages")
+        try:
+            conversation = [{"role": message.role, "content": message_text(message)} for message in body.messages]
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+            )
+        except ValueError as error:
+            raise RequestError(400, str(error), param="messages") from error
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        prompt_token_ids = self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs)
+        completion_id = random_id("chatcmpl")
+        created = now()
+        prompts = [(None, prompt_token_ids)]
+        if body.stream:
+            return self._stream(self._chat_chunks(completion_id, created, prompts, params, body))
+        final: RequestState | None = None
+        async for _, final in self._merged(completion_id, prompts, params):  # noqa: B007 (the last state wins)
+            pass
+        state = final
+        choices = [
+            {
+                "index": completion.index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            for completion in state.output.outputs
+        ]
+        num_completion_tokens = sum(len(completion.token_ids) for completion in state.output.outputs)
+        return JSONResponse(
+            {
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(len(prompt_token_ids), num_completion_tokens),
+            }
+        )
+
+    async def _chat_chunks(
+        self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: ChatCompletionRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            return {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            }
+
+        for index in range(params.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        num_completion_tokens = 0
+        async for _, state in self._merged(completion_id, prompts, params):
+            for delta in state.deltas:
+                num_completion_tokens += len(delta.token_ids)
+                if delta.text:
+                    yield chunk(delta.index, {"content": delta.text})
+                if delta.finish_reason is not None:
+                    yield chunk(delta.index, {}, delta.finish_reason)
+        if body.stream_options and body.stream_options.include_usage:
+            yield {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage(len(prompts[0][1]), num_completion_tokens),
+            }
+
+    def _stream(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            try:
+                async with contextlib.aclosing(chunks) as stream:
+                    async for payload in stream:
+                        yield sse(payload)
+            except RequestError as error:
+                yield sse(error_body(error.message, error.error_type, error.status, error.param))
+            except EngineDeadError as error:
+                yield sse(error_body(f"the engine is unavailable: {error}", "ServiceUnavailableError", 503))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def build_app(config: AppConfig | dict[str, Any] | str | Path | None = None) -> serve.Application:
+    """The bound Serve application. `config` is an AppConfig, its dict form, or a YAML path.
+
+    As a Serve application builder, `args` may also be `{"config": "configs/default.yaml"}`.
+    """
+    if config is None:
+        config = AppConfig()
+    elif isinstance(config, str | Path):
+        config = AppConfig.from_yaml(config)
+    elif isinstance(config, dict):
+        config = (
+            AppConfig.from_yaml(config["config"]) if set(config) == {"config"} else AppConfig.model_validate(config)
+        )
+    deployment = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=config.serve.ingress_replicas,
+        max_ongoing_requests=config.serve.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+    )
+    return deployment.bind(config.model_dump())
