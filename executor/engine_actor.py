@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -111,8 +112,10 @@ class EngineActor:
             "num_steps": self.num_steps,
         }
 
-    async def worker_actor_ids(self) -> list[str]:
-        return [worker._actor_id.hex() for worker in self.core.executor.workers]
+    async def topology(self) -> dict[str, Any]:
+        """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
+        workers = await asyncio.gather(*[worker.identity.remote() for worker in self.core.executor.workers])
+        return {"engine_pid": os.getpid(), "workers": list(workers)}
 
     async def _run_steps(self) -> None:
         while True:

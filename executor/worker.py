@@ -88,6 +88,15 @@ class ModelWorker:
     def ping(self) -> str:
         return f"pp{self.pp_rank}-tp{self.tp_rank}"
 
+    def identity(self) -> dict[str, int]:
+        """Where this worker runs: for operators and topology tests."""
+        return {
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+        }
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -40,6 +40,8 @@ from serve_app.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
+# Engine actors live in a namespace of their own, so operators and tests find them by name from any job.
+ENGINE_NAMESPACE = "pagedserve"
 
 
 class RequestError(Exception):
@@ -67,6 +69,7 @@ def get_or_create_engine(config: AppConfig) -> Any:
     engine_class = ray.remote(EngineActor)
     return engine_class.options(
         name=engine_actor_name(config.serve.app_name),
+        namespace=ENGINE_NAMESPACE,
         get_if_exists=True,
         num_cpus=0,
         max_concurrency=10_000,
@@ -111,7 +114,12 @@ class OpenAIIngress:
         logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path.rstrip("/") or "/"
+        path = request.url.path
+        # Under a route prefix (several apps on one Serve proxy) routes are matched after it.
+        prefix = self.config.serve.route_prefix.rstrip("/")
+        if prefix and path.startswith(prefix):
+            path = path[len(prefix) :]
+        path = path.rstrip("/") or "/"
         handler = self.routes.get((request.method, path))
         if handler is None:
             known = sorted({route_path for _, route_path in self.routes})
