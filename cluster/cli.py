@@ -25,6 +25,16 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Exit status 1 when any request failed, so scripts notice a broken endpoint."""
+    import asyncio
+
+    from cluster.bench_serve import run_benchmark
+
+    result = asyncio.run(run_benchmark(args))
+    return 1 if result["summary"]["failed"] else 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serve import serve_forever
     from configs.app_config import AppConfig
@@ -58,6 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output-json", default=None)
     bench.set_defaults(handler=cmd_bench_offline)
+
+    bench_serve = commands.add_parser("bench", help="online serving benchmark against an OpenAI-compatible endpoint")
+    bench_serve.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    bench_serve.add_argument("--model", default=None, help="default: the first id from GET /models")
+    bench_serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    bench_serve.add_argument("--num-prompts", type=int, default=64)
+    bench_serve.add_argument("--input-len", type=int, default=48, help="random words per prompt (after the prefix)")
+    bench_serve.add_argument("--output-len", type=int, default=64, help="max_tokens, sent with ignore_eos")
+    bench_serve.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals in req/s; inf sends all at once"
+    )
+    bench_serve.add_argument("--max-concurrency", type=int, default=None, help="default: unlimited")
+    bench_serve.add_argument("--shared-prefix-words", type=int, default=0, help="same N-word prefix on every prompt")
+    bench_serve.add_argument("--seed", type=int, default=0)
+    bench_serve.add_argument("--output-json", default=None)
+    bench_serve.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    bench_serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
+    bench_serve.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed request")
+    bench_serve.add_argument("--disable-tqdm", action="store_true")
+    bench_serve.set_defaults(handler=cmd_bench)
 
     serve = commands.add_parser("serve", help="serve the OpenAI API on Ray Serve until Ctrl-C")
     serve.add_argument("--config", default=None, help="a YAML preset (path, or a name under configs/)")

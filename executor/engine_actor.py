@@ -112,6 +112,10 @@ class EngineActor:
             "num_steps": self.num_steps,
         }
 
+    async def worker_handles(self) -> list[Any]:
+        """The model worker actors, for operators (and fault-injection tests)."""
+        return list(self.core.executor.workers)
+
     async def topology(self) -> dict[str, Any]:
         """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
         workers = await asyncio.gather(*[worker.identity.remote() for worker in self.core.executor.workers])

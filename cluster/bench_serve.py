@@ -1,0 +1,466 @@
+"""`pagedserve bench`: an online serving benchmark in the style of `vllm bench serve`.
+
+Sends streaming requests over real HTTP to any OpenAI-compatible endpoint (ours or another server) and reports
+request and token throughput with TTFT, TPOT, ITL and end-to-end latency statistics.
+
+Callers that want the numbers rather than the printed report use `run_benchmark` (async, returns a dict) and the
+pure `summarize` on `RequestRecord`s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+# Common English words, so prompts tokenize to ordinary tokens in every tokenizer (no dataset download).
+COMMON_WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this be or had not but one "
+    "all their they have has been who its when more there will would can about into out other than time people "
+    "year way day man thing woman life child world school state family student group country problem hand part "
+    "place case week company system program question work government number night point home water room mother "
+    "area money story fact month lot right study book eye job word business issue side kind head house service "
+    "friend father power hour game line end member law car city community name president team minute idea kid "
+    "body information back parent face others level office door health person art war history party result "
+    "change morning reason research girl guy moment air teacher force education river market garden winter "
+    "engine letter music forest window doctor summer bridge island mountain village ocean station library"
+)
+WORDS = COMMON_WORDS.split()
+
+STAT_NAMES = ("ttft", "tpot", "itl", "e2el")
+STAT_TITLES = {
+    "ttft": ("Time to First Token", "TTFT"),
+    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+    "itl": ("Inter-token Latency", "ITL"),
+    "e2el": ("End-to-end Latency", "E2EL"),
+}
+
+
+@dataclass
+class BenchConfig:
+    """Benchmark settings; the CLI flags of `pagedserve bench` map one to one onto these fields."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None  # None: the first id from GET {base_url}/models
+    endpoint: Literal["completions", "chat"] = "completions"
+    num_prompts: int = 64
+    input_len: int = 48  # random words per prompt, after the shared prefix if any
+    output_len: int = 64  # max_tokens, sent with ignore_eos so every request generates exactly this many
+    request_rate: float = math.inf  # inf: all requests at once; else Poisson arrivals at this rate (req/s)
+    max_concurrency: int | None = None  # None: unlimited in-flight requests
+    shared_prefix_words: int = 0  # every prompt starts with the same N-word prefix (prefix-cache measurements)
+    seed: int = 0
+    output_json: str | None = None
+    api_key: str | None = None
+    timeout: float = 600.0  # seconds a single request may take in total before it counts as failed
+    warmup: bool = True  # one untimed request first; the benchmark aborts if it fails
+    disable_tqdm: bool = False
+
+    @classmethod
+    def from_any(cls, args: BenchConfig | argparse.Namespace | dict[str, Any]) -> BenchConfig:
+        """Accepts a BenchConfig, an argparse Namespace or a dict; unknown attributes are ignored."""
+        if isinstance(args, BenchConfig):
+            return args
+        values = args if isinstance(args, dict) else vars(args)
+        names = {config_field.name for config_field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in names})
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured. Times are seconds; `start_s` is relative to the benchmark start."""
+
+    success: bool = False
+    start_s: float = 0.0
+    latency_s: float = 0.0  # end-to-end: request sent -> stream finished
+    ttft_s: float | None = None  # request sent -> first non-empty text chunk
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive non-empty text chunks
+    output_tokens: int = 0  # usage.completion_tokens when the server sends it, else the number of text chunks
+    prompt_tokens: int | None = None  # usage.prompt_tokens; None when the server sends no usage
+    usage_reported: bool = False
+    generated_text: str = ""
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure metric computation
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between ranks, as numpy.percentile's default."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean / median / std / p99 in milliseconds; all None when there are no values."""
+    if not values_s:
+        return {"mean": None, "median": None, "std": None, "p99": None}
+    values_ms = [value * 1000.0 for value in values_s]
+    return {
+        "mean": statistics.fmean(values_ms),
+        "median": percentile(values_ms, 50),
+        "std": statistics.pstdev(values_ms),
+        "p99": percentile(values_ms, 99),
+    }
+
+
+def peak_concurrency(records: Sequence[RequestRecord]) -> int:
+    """The largest number of requests in flight at one instant (ends sort before starts at equal times)."""
+    events = sorted(
+        [(record.start_s, 1) for record in records] + [(record.start_s + record.latency_s, -1) for record in records]
+    )
+    peak = current = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float | None = None) -> dict[str, Any]:
+    """Aggregate metrics, named like `vllm bench serve --save-result` (latencies in ms, throughputs per second).
+
+    Failed requests are counted in `failed` and left out of every token count and latency statistic.
+    `duration_s` defaults to first request start -> last request end. TPOT is per request
+    (e2e - ttft) / (output_tokens - 1), over requests with more than one output token.
+    """
+    if duration_s is None:
+        duration_s = (
+            max(record.start_s + record.latency_s for record in records) - min(record.start_s for record in records)
+            if records
+            else 0.0
+        )
+    succeeded = [record for record in records if record.success]
+    total_output = sum(record.output_tokens for record in succeeded)
+    total_input = sum(record.prompt_tokens or 0 for record in succeeded)
+    ttfts = [record.ttft_s for record in succeeded if record.ttft_s is not None]
+    tpots = [
+        (record.latency_s - record.ttft_s) / (record.output_tokens - 1)
+        for record in succeeded
+        if record.ttft_s is not None and record.output_tokens > 1
+    ]
+    itls = [gap for record in succeeded for gap in record.itl_s]
+    e2els = [record.latency_s for record in succeeded]
+
+    def per_second(amount: float) -> float:
+        return amount / duration_s if duration_s > 0 else 0.0
+
+    summary: dict[str, Any] = {
+        "completed": len(succeeded),
+        "failed": len(records) - len(succeeded),
+        "duration": duration_s,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        # Input tokens come from the server's usage; without it they are unknown and left out of the total rate.
+        "input_tokens_known": all(record.prompt_tokens is not None for record in succeeded),
+        "request_throughput": per_second(len(succeeded)),
+        "output_throughput": per_second(total_output),
+        "total_token_throughput": per_second(total_input + total_output),
+        "max_concurrent_requests": peak_concurrency(records),
+    }
+    for name, values in zip(STAT_NAMES, (ttfts, tpots, itls, e2els)):
+        for stat, value in distribution_ms(values).items():
+            summary[f"{stat}_{name}_ms"] = value
+    return summary
+
+
+def format_report(summary: dict[str, Any], config: BenchConfig | None = None) -> str:
+    """The printed result block, laid out like vllm's."""
+
+    def number(value: Any, decimals: int = 2) -> str:
+        if value is None:
+            return "n/a"
+        if isinstance(value, float):
+            return f"{value:.{decimals}f}"
+        return str(value)
+
+    def row(label: str, value: Any) -> str:
+        return f"{label:<40} {number(value):<10}".rstrip()
+
+    lines = ["{:=^50}".format(" Serving Benchmark Result ")]
+    lines.append(row("Successful requests:", summary["completed"]))
+    lines.append(row("Failed requests:", summary["failed"]))
+    if config is not None:
+        lines.append(row("Maximum request concurrency:", config.max_concurrency or "unlimited"))
+        lines.append(
+            row("Request rate configured (RPS):", "inf" if math.isinf(config.request_rate) else config.request_rate)
+        )
+    lines.append(row("Benchmark duration (s):", summary["duration"]))
+    input_label = "Total input tokens:" if summary.get("input_tokens_known", True) else "Total input tokens (partial):"
+    lines.append(row(input_label, summary["total_input_tokens"]))
+    lines.append(row("Total generated tokens:", summary["total_output_tokens"]))
+    lines.append(row("Request throughput (req/s):", summary["request_throughput"]))
+    lines.append(row("Output token throughput (tok/s):", summary["output_throughput"]))
+    lines.append(row("Peak concurrent requests:", summary["max_concurrent_requests"]))
+    lines.append(row("Total token throughput (tok/s):", summary["total_token_throughput"]))
+    for name in STAT_NAMES:
+        title, short = STAT_TITLES[name]
+        lines.append(f"{title:-^50}")
+        lines.append(row(f"Mean {short} (ms):", summary[f"mean_{name}_ms"]))
+        lines.append(row(f"Median {short} (ms):", summary[f"median_{name}_ms"]))
+        lines.append(row(f"P99 {short} (ms):", summary[f"p99_{name}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset and request schedule
+
+
+def synthetic_prompts(num_prompts: int, input_len: int, seed: int, shared_prefix_words: int = 0) -> list[str]:
+    """Deterministic prompts of random common words: the same shared prefix (if any), then `input_len` words."""
+    rng = random.Random(seed)
+    prefix = [rng.choice(WORDS) for _ in range(shared_prefix_words)]
+    return [" ".join(prefix + [rng.choice(WORDS) for _ in range(input_len)]) for _ in range(num_prompts)]
+
+
+def arrival_gaps(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before sending each request: zeros at rate inf, else exponential gaps (Poisson arrivals)."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be positive or inf, got {request_rate}")
+    # A generator of its own, so the schedule doesn't depend on how many words the prompts drew.
+    rng = random.Random(seed + 1)
+    return [rng.expovariate(request_rate) for _ in range(num_requests)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP
+
+
+def request_body(config: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["max_completion_tokens"] = max_tokens
+    else:
+        body["prompt"] = prompt
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def endpoint_url(config: BenchConfig) -> str:
+    path = "chat/completions" if config.endpoint == "chat" else "completions"
+    return f"{config.base_url.rstrip('/')}/{path}"
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The generated text a streamed chunk carries, for completions and chat chunks alike."""
+    text = ""
+    for choice in chunk.get("choices") or []:
+        if "text" in choice:
+            text += choice.get("text") or ""
+        delta = choice.get("delta") or {}
+        # Reasoning servers stream thinking as reasoning_content; it is generated output all the same.
+        text += (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return text
+
+
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
+    """The payload of every `data:` line of a server-sent event stream, stopping at `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, `:` keep-alive comments, event/id fields
+        payload = line[len("data:") :].strip()
+        if payload == "[DONE]":
+            return
+        if payload:
+            yield payload
+
+
+async def send_request(
+    client: httpx.AsyncClient, config: BenchConfig, model: str, prompt: str, max_tokens: int, origin: float
+) -> RequestRecord:
+    """One streaming request; never raises for request failures, they land in the record."""
+    record = RequestRecord()
+    started = time.perf_counter()
+    record.start_s = started - origin
+    chunks_with_text = 0
+    try:
+        async with asyncio.timeout(config.timeout):
+            async with client.stream(
+                "POST", endpoint_url(config), json=request_body(config, model, prompt, max_tokens)
+            ) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    record.error = f"HTTP {response.status_code}: {body[:500]}"
+                else:
+                    last = started
+                    text_parts: list[str] = []
+                    async for payload in sse_payloads(response):
+                        chunk = json.loads(payload)
+                        if "error" in chunk:
+                            record.error = f"error chunk: {json.dumps(chunk['error'])[:500]}"
+                            break
+                        if chunk.get("usage"):
+                            record.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                            record.output_tokens = chunk["usage"].get("completion_tokens") or 0
+                            record.usage_reported = True
+                        text = chunk_text(chunk)
+                        if not text:
+                            continue
+                        now = time.perf_counter()
+                        if record.ttft_s is None:
+                            record.ttft_s = now - started
+                        else:
+                            record.itl_s.append(now - last)
+                        last = now
+                        chunks_with_text += 1
+                        text_parts.append(text)
+                    record.generated_text = "".join(text_parts)
+                    if not record.error and record.ttft_s is None:
+                        record.error = "the stream ended without any generated text"
+    except TimeoutError:
+        record.error = f"timed out after {config.timeout} s"
+    except Exception as error:
+        # Any failure (connection, protocol, a malformed chunk) is one failed request: the run goes on.
+        record.error = f"{type(error).__name__}: {error}"
+    record.latency_s = time.perf_counter() - started
+    if not record.usage_reported:
+        record.output_tokens = chunks_with_text
+    record.success = not record.error
+    return record
+
+
+async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(f"{base_url.rstrip('/')}/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    """Run the whole benchmark and return {"config", "model", "summary", per-request lists}; prints the report.
+
+    Raises ValueError on bad settings and RuntimeError when the warm-up request fails (the endpoint is wrong or
+    down). Writes the result to `output_json` when set.
+    """
+    from tqdm import tqdm
+
+    config = BenchConfig.from_any(args)
+    if config.endpoint not in ("completions", "chat"):
+        raise ValueError(f"endpoint must be 'completions' or 'chat', got {config.endpoint!r}")
+    if config.num_prompts < 1 or config.output_len < 1 or config.input_len < 0 or config.shared_prefix_words < 0:
+        raise ValueError("num_prompts and output_len must be >= 1; input_len and shared_prefix_words >= 0")
+    if config.max_concurrency is not None and config.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 or None, got {config.max_concurrency}")
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    # Enough pooled connections for every in-flight request: waiting on the pool would count as TTFT.
+    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+    prompts = synthetic_prompts(config.num_prompts, config.input_len, config.seed, config.shared_prefix_words)
+    gaps = arrival_gaps(config.num_prompts, config.request_rate, config.seed)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
+        model = config.model or await first_model_id(client, config.base_url)
+        logger.info(
+            "benchmarking %s at %s: %d prompts, %d+%d words in, %d tokens out, rate %s req/s, concurrency %s",
+            model,
+            endpoint_url(config),
+            config.num_prompts,
+            config.shared_prefix_words,
+            config.input_len,
+            config.output_len,
+            config.request_rate,
+            config.max_concurrency or "unlimited",
+        )
+        if config.warmup:
+            # Its own seed so the warm-up doesn't put a measured prompt in the server's prefix cache.
+            warmup_prompt = synthetic_prompts(1, config.input_len, config.seed + 1_000_003)[0]
+            warm = await send_request(
+                client, config, model, warmup_prompt, min(config.output_len, 4), time.perf_counter()
+            )
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
+            logger.info("warm-up request ok (%.0f ms); starting the benchmark", warm.latency_s * 1000)
+
+        semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        progress = tqdm(total=config.num_prompts, disable=config.disable_tqdm, desc="requests")
+
+        async def limited(prompt: str, origin: float) -> RequestRecord:
+            async with semaphore if semaphore is not None else contextlib.nullcontext():
+                record = await send_request(client, config, model, prompt, config.output_len, origin)
+            progress.update(1)
+            return record
+
+        origin = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(prompt, origin)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - origin
+        progress.close()
+
+    summary = summarize(records, duration)
+    for record in records:
+        if not record.success:
+            logger.warning("request failed: %s", record.error)
+    if summary["completed"] and not any(record.usage_reported for record in records if record.success):
+        logger.warning("the server sent no usage; output tokens are counted as text chunks")
+    short = [record.output_tokens for record in records if record.success and record.output_tokens != config.output_len]
+    if short:
+        logger.warning(
+            "%d requests generated other than %d tokens (ignore_eos unsupported?): %s",
+            len(short),
+            config.output_len,
+            short[:10],
+        )
+    print(format_report(summary, config))  # the report is the command's output
+
+    result: dict[str, Any] = {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "model": model,
+        "config": dataclasses.asdict(config),
+        "summary": summary,
+        "input_lens": [record.prompt_tokens for record in records],
+        "output_lens": [record.output_tokens for record in records],
+        "ttfts": [record.ttft_s for record in records],
+        "itls": [record.itl_s for record in records],
+        "e2els": [record.latency_s for record in records],
+        "start_times": [record.start_s for record in records],
+        "errors": [record.error for record in records],
+    }
+    # API keys stay out of result files; inf is no JSON number.
+    result["config"]["api_key"] = "***" if config.api_key else None
+    if math.isinf(config.request_rate):
+        result["config"]["request_rate"] = "inf"
+    if config.output_json:
+        path = Path(config.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        logger.info("wrote %s", path)
+    return result

@@ -1,0 +1,299 @@
+"""`pagedserve bench`: the pure metric math on hand-made records, SSE parsing on canned streams, and real runs over
+HTTP against a tiny model deployed on Ray Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from cluster.bench_serve import (
+    BenchConfig,
+    RequestRecord,
+    arrival_gaps,
+    format_report,
+    percentile,
+    run_benchmark,
+    send_request,
+    summarize,
+    synthetic_prompts,
+)
+
+pytestmark = pytest.mark.slow
+
+SUMMARY_KEYS = {
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrent_requests",
+} | {f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for name in ("ttft", "tpot", "itl", "e2el")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def hand_made_records() -> list[RequestRecord]:
+    return [
+        RequestRecord(
+            success=True,
+            start_s=0.0,
+            latency_s=0.16,
+            ttft_s=0.10,
+            itl_s=[0.02, 0.04],
+            output_tokens=3,
+            prompt_tokens=10,
+        ),
+        RequestRecord(
+            success=True,
+            start_s=0.5,
+            latency_s=0.34,
+            ttft_s=0.30,
+            itl_s=[0.01, 0.03],
+            output_tokens=3,
+            prompt_tokens=20,
+        ),
+        # A failure with wild numbers: it must not leak into any latency statistic or token count.
+        RequestRecord(success=False, start_s=0.1, latency_s=9.0, ttft_s=5.0, itl_s=[7.0], output_tokens=99, error="x"),
+    ]
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1.0], 99) == 1.0
+    assert percentile([100.0, 300.0], 50) == pytest.approx(200.0)
+    assert percentile([100.0, 300.0], 99) == pytest.approx(298.0)
+    assert percentile([40.0, 10.0, 30.0, 20.0], 99) == pytest.approx(39.7)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summarize_known_values():
+    summary = summarize(hand_made_records(), duration_s=2.0)
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["completed"] == 2
+    assert summary["failed"] == 1
+    assert summary["duration"] == 2.0
+    assert summary["total_output_tokens"] == 6
+    assert summary["total_input_tokens"] == 30
+    assert summary["request_throughput"] == pytest.approx(1.0)
+    assert summary["output_throughput"] == pytest.approx(3.0)
+    assert summary["total_token_throughput"] == pytest.approx(18.0)
+    # TTFT 100 and 300 ms.
+    assert summary["mean_ttft_ms"] == pytest.approx(200.0)
+    assert summary["median_ttft_ms"] == pytest.approx(200.0)
+    assert summary["p99_ttft_ms"] == pytest.approx(298.0)
+    assert summary["std_ttft_ms"] == pytest.approx(100.0)
+    # TPOT (e2e - ttft) / (tokens - 1): 60/2 = 30 ms and 40/2 = 20 ms.
+    assert summary["mean_tpot_ms"] == pytest.approx(25.0)
+    assert summary["median_tpot_ms"] == pytest.approx(25.0)
+    assert summary["p99_tpot_ms"] == pytest.approx(29.9)
+    # ITL over every gap of every successful request: 20, 40, 10, 30 ms.
+    assert summary["mean_itl_ms"] == pytest.approx(25.0)
+    assert summary["median_itl_ms"] == pytest.approx(25.0)
+    assert summary["p99_itl_ms"] == pytest.approx(39.7)
+    assert summary["mean_e2el_ms"] == pytest.approx(250.0)
+    # The failed request (0.1 .. 9.1 s) overlaps both others.
+    assert summary["max_concurrent_requests"] == 3
+
+
+def test_summarize_duration_defaults_to_first_start_to_last_end():
+    records = hand_made_records()[:2]
+    summary = summarize(records)
+    assert summary["duration"] == pytest.approx(0.84)
+    assert summary["output_throughput"] == pytest.approx(6 / 0.84)
+    assert summary["max_concurrent_requests"] == 1
+
+
+def test_summarize_single_token_requests_have_no_tpot_and_all_failed_has_no_latencies():
+    one_token = RequestRecord(success=True, latency_s=0.1, ttft_s=0.1, output_tokens=1, prompt_tokens=5)
+    summary = summarize([one_token], duration_s=1.0)
+    assert summary["mean_tpot_ms"] is None
+    assert summary["mean_ttft_ms"] == pytest.approx(100.0)
+    failed = summarize([RequestRecord(error="HTTP 500")], duration_s=1.0)
+    assert failed["completed"] == 0
+    assert failed["failed"] == 1
+    assert failed["mean_ttft_ms"] is None
+    assert failed["output_throughput"] == 0.0
+    assert "n/a" in format_report(failed)
+
+
+def test_report_lists_the_vllm_lines():
+    report = format_report(summarize(hand_made_records(), 2.0), BenchConfig(max_concurrency=4))
+    for label in (
+        "Successful requests:",
+        "Failed requests:",
+        "Benchmark duration (s):",
+        "Request throughput (req/s):",
+        "Output token throughput (tok/s):",
+        "Total token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TPOT (ms):",
+        "P99 ITL (ms):",
+    ):
+        assert label in report
+
+
+def test_dataset_and_schedule_are_seeded():
+    prompts = synthetic_prompts(4, 12, seed=0, shared_prefix_words=5)
+    assert prompts == synthetic_prompts(4, 12, seed=0, shared_prefix_words=5)
+    assert prompts != synthetic_prompts(4, 12, seed=1, shared_prefix_words=5)
+    assert all(len(prompt.split()) == 17 for prompt in prompts)
+    assert len({" ".join(prompt.split()[:5]) for prompt in prompts}) == 1
+    assert arrival_gaps(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    gaps = arrival_gaps(2000, 20.0, 0)
+    assert gaps == arrival_gaps(2000, 20.0, 0)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SSE parsing on canned responses
+
+
+def canned(status: int, body: str) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def sse_body(*payloads: dict | str) -> str:
+    return "".join(f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n" for p in payloads)
+
+
+def send(client: httpx.AsyncClient, endpoint: str = "completions") -> RequestRecord:
+    config = BenchConfig(base_url="http://test/v1", endpoint=endpoint, timeout=10)
+
+    async def go() -> RequestRecord:
+        async with client:
+            return await send_request(client, config, "m", "hello", 3, 0.0)
+
+    return asyncio.run(go())
+
+
+def test_stream_with_usage_counts_tokens_from_usage():
+    text = [{"choices": [{"index": 0, "text": piece}]} for piece in ("a", "", "bc", "d")]
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}}
+    record = send(canned(200, ": keep-alive\n\n" + sse_body(*text, usage, "[DONE]")))
+    assert record.success, record.error
+    assert record.output_tokens == 5
+    assert record.prompt_tokens == 7
+    assert record.generated_text == "abcd"
+    assert record.ttft_s is not None and record.ttft_s > 0
+    assert len(record.itl_s) == 2  # three non-empty chunks
+
+
+def test_chat_stream_without_usage_counts_chunks():
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in ("x", "y")]
+    chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}]
+    record = send(canned(200, sse_body(*chunks, "[DONE]")), endpoint="chat")
+    assert record.success, record.error
+    assert (record.output_tokens, record.prompt_tokens, record.usage_reported) == (2, None, False)
+
+
+def test_failures_are_recorded_not_raised():
+    record = send(canned(400, '{"error": {"message": "bad"}}'))
+    assert not record.success and record.error.startswith("HTTP 400")
+    record = send(canned(200, sse_body({"choices": [{"text": "a"}]}, {"error": {"message": "dead"}}, "[DONE]")))
+    assert not record.success and "dead" in record.error
+    record = send(canned(200, sse_body("[DONE]")))
+    assert not record.success and "without any generated text" in record.error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real HTTP against a tiny model on Ray Serve
+
+
+@pytest.fixture(scope="module")
+def bench_url(serve_port, tiny_model_dir):
+    from ray import serve
+
+    from configs.app_config import AppConfig
+    from serve_app.app import build_app
+
+    config = AppConfig.model_validate(
+        {
+            "model": {"name": "tiny-random-llama"},
+            "cache": {"num_kv_blocks": 256},
+            "parallel": {"worker_num_cpus": 0.5, "num_threads": 1},
+            "serve": {"app_name": "bench-tiny", "route_prefix": "/bench", "ingress_num_cpus": 0.1},
+        }
+    )
+    serve.run(build_app(config), name="bench-tiny", route_prefix="/bench")
+    yield f"http://127.0.0.1:{serve_port}/bench/v1"
+    serve.delete("bench-tiny")
+
+
+def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
+    output = tmp_path / "result.json"
+    config = BenchConfig(
+        base_url=bench_url,
+        num_prompts=8,
+        input_len=24,
+        output_len=8,
+        max_concurrency=4,
+        output_json=str(output),
+        disable_tqdm=True,
+    )
+    result = asyncio.run(run_benchmark(config))
+    summary = result["summary"]
+    assert result["errors"] == [""] * 8
+    assert summary["completed"] == 8
+    assert summary["failed"] == 0
+    assert result["output_lens"] == [8] * 8
+    assert all(tokens > 0 for tokens in result["input_lens"])
+    assert all(ttft > 0 for ttft in result["ttfts"])
+    assert all(itls for itls in result["itls"])
+    assert summary["mean_ttft_ms"] > 0
+    assert summary["mean_itl_ms"] > 0
+    assert summary["mean_tpot_ms"] > 0
+    assert summary["output_throughput"] > 0
+    assert summary["total_output_tokens"] == 64
+    assert 1 <= summary["max_concurrent_requests"] <= 4
+    saved = json.loads(output.read_text())
+    assert SUMMARY_KEYS <= set(saved["summary"])
+    assert saved["model"] == "tiny-random-llama"
+    assert saved["config"]["max_concurrency"] == 4
+    assert saved["config"]["request_rate"] == "inf"
+    assert {"ttfts", "itls", "e2els", "output_lens", "input_lens", "errors", "date"} <= set(saved)
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_poisson_run_through_the_cli(bench_url, tmp_path):
+    from cluster.cli import main
+
+    output = tmp_path / "poisson.json"
+    argv = ["bench", "--base-url", bench_url, "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
+    argv += ["--request-rate", "20", "--seed", "3", "--output-json", str(output), "--disable-tqdm"]
+    assert main(argv) == 0
+    saved = json.loads(output.read_text())
+    assert saved["summary"]["completed"] == 8
+    assert saved["summary"]["failed"] == 0
+    assert saved["output_lens"] == [4] * 8
+    assert saved["config"]["request_rate"] == 20.0
+    # Arrivals are spread out (mean gap 50 ms), not all at time zero.
+    assert max(saved["start_times"]) > 0.05
+
+
+def test_chat_endpoint_and_shared_prefix(bench_url):
+    config = BenchConfig(
+        base_url=bench_url,
+        endpoint="chat",
+        num_prompts=4,
+        input_len=8,
+        output_len=4,
+        shared_prefix_words=40,
+        disable_tqdm=True,
+        warmup=False,
+    )
+    result = asyncio.run(run_benchmark(config))
+    assert result["summary"]["completed"] == 4
+    assert result["output_lens"] == [4] * 4

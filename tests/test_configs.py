@@ -1,0 +1,47 @@
+"""The YAML schema and presets users deploy with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from configs.app_config import AppConfig
+
+PRESETS = sorted(Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda path: path.name)
+def test_every_preset_loads(preset):
+    config = AppConfig.from_yaml(preset)
+    engine = config.engine_config()
+    assert engine.world_size == config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+
+
+def test_default_preset_is_what_make_serve_promises():
+    config = AppConfig.from_yaml("default")
+    assert config.engine_config().model_name == "smollm2-135m-instruct"
+    assert (config.serve.host, config.serve.port) == ("127.0.0.1", 8000)
+    assert config.engine_config().world_size == 1
+
+
+def test_tp3_preset_splits_smollm2_three_ways():
+    config = AppConfig.from_yaml("smollm2-tp3")
+    assert config.parallel.tensor_parallel_size == 3
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache:\n  blok_size: 32\n")
+    with pytest.raises(ValueError, match="blok_size"):
+        AppConfig.from_yaml(bad)
+    bad.write_text("servee:\n  port: 1\n")
+    with pytest.raises(ValueError, match="servee"):
+        AppConfig.from_yaml(bad)
+
+
+def test_invalid_value_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("parallel:\n  tensor_parallel_size: 0\n")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        AppConfig.from_yaml(bad)
