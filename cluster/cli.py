@@ -31,6 +31,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from cluster.bench_serve import run_benchmark
 
+    # httpx logs every request at INFO: hundreds of lines that bury the progress bar and the report.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     result = asyncio.run(run_benchmark(args))
     return 1 if result["summary"]["failed"] else 0
 

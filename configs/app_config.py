@@ -55,6 +55,13 @@ class ServeSection(Section):
     ingress_replicas: int = Field(1, ge=1, description="Ray Serve replicas of the HTTP ingress.")
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent requests per ingress replica.")
     ingress_num_cpus: float = Field(0.5, ge=0)
+    api_key: str | None = Field(
+        None, description="Bearer key for /v1, /tokenize, /detokenize; falls back to $PAGEDSERVE_API_KEY."
+    )
+    cors_allow_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS ('*' = any).")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body accepted (413 beyond).")
+    max_n: int = Field(64, ge=1, description="Largest n (completions per prompt) a request may ask for.")
+    max_logit_bias_entries: int = Field(300, ge=1, description="Most logit_bias entries per request.")
 
 
 class AppConfig(Section):

@@ -112,6 +112,11 @@ class EngineActor:
             "num_steps": self.num_steps,
         }
 
+    async def metrics_text(self) -> bytes:
+        """Prometheus exposition of this engine's metrics, gauges read now."""
+        self.core.metrics.update_from_scheduler(self.core.scheduler)
+        return self.core.metrics.exposition()
+
     async def worker_handles(self) -> list[Any]:
         """The model worker actors, for operators (and fault-injection tests)."""
         return list(self.core.executor.workers)

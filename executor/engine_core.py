@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.executors import Executor
+from executor.metrics import EngineMetrics
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_info import ModelInfo
@@ -37,23 +39,27 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
 
-def validate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, model_info: ModelInfo) -> int:
-    """Checks that need the model; returns the request's effective max_tokens. Raises ValueError."""
+def validate_prompt(
+    prompt_token_ids: Sequence[int], params: SamplingParams, max_model_len: int, vocab_size: int
+) -> int:
+    """Checks that need the model; returns the request's effective max_tokens. Raises ValueError.
+
+    The ingress runs the same checks before a request reaches the scheduler; the engine runs them again.
+    """
     num_prompt = len(prompt_token_ids)
-    max_model_len = model_info.max_model_len
     if num_prompt == 0:
         raise ValueError("prompt must not be empty.")
-    out_of_vocab = [t for t in prompt_token_ids if not 0 <= t < model_info.vocab_size]
+    out_of_vocab = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if out_of_vocab:
         raise ValueError(
-            f"prompt token id {out_of_vocab[0]} is out of the vocabulary (valid ids: 0..{model_info.vocab_size - 1})."
+            f"prompt token id {out_of_vocab[0]} is out of the vocabulary (valid ids: 0..{vocab_size - 1})."
         )
     if num_prompt >= max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
             f"{num_prompt} input tokens. Please reduce the length of the input."
         )
-    params.verify_against_vocab(model_info.vocab_size)
+    params.verify_against_vocab(vocab_size)
     if params.max_tokens is None:
         return max_model_len - num_prompt
     if num_prompt + params.max_tokens > max_model_len:
@@ -87,6 +93,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config, executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
         )
+        self.metrics = EngineMetrics(config.model_name)
         self.children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.sequence_owner: dict[str, tuple[str, int]] = {}
 
@@ -95,7 +102,8 @@ class EngineCore:
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        max_tokens = validate_prompt(prompt_token_ids, params, self.model_info)
+        info = self.model_info
+        max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
         first_child = child_request_id(request_id, 0)
         child_ids = []
         for index in range(params.n):
@@ -110,17 +118,24 @@ class EngineCore:
             self.sequence_owner[child_id] = (request_id, index)
             child_ids.append(child_id)
         self.children[request_id] = child_ids
+        self.metrics.increment(self.metrics.prompt_tokens, len(prompt_token_ids))
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
         for request_id in request_ids:
             child_ids = self.children.pop(request_id, [])
+            for child_id in child_ids:
+                if child_id in self.scheduler.requests:
+                    self._record_finish(self.scheduler.requests[child_id], "abort")
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for child_id in child_ids:
                 self.sequence_owner.pop(child_id, None)
 
     def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
         """A stop string was found downstream (by the detokenizer): finish that completion and free its blocks."""
+        request = self.scheduler.requests.get(child_request_id(request_id, index))
+        if request is not None:
+            self._record_finish(request, "stop")
         self.scheduler.finish_requests(
             [child_request_id(request_id, index)], RequestStatus.FINISHED_STOPPED, stop_string
         )
@@ -139,10 +154,31 @@ class EngineCore:
         result = await self.executor.execute_async(plan)
         return self._collect(plan, result)
 
+    def _record_tokens(self, request: Request, num_tokens: int, now: float) -> None:
+        metrics = self.metrics
+        if request.first_token_time is None:
+            request.first_token_time = now
+            metrics.observe(metrics.ttft, now - request.arrival_time)
+        else:
+            metrics.observe(metrics.itl, now - request.last_token_time)
+        request.last_token_time = now
+        metrics.increment(metrics.generation_tokens, num_tokens)
+
+    def _record_finish(self, request: Request, finish_reason: str) -> None:
+        metrics, now = self.metrics, time.monotonic()
+        metrics.observe(metrics.e2e, now - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            metrics.observe(metrics.queue_time, request.first_scheduled_time - request.arrival_time)
+        metrics.increment(metrics.request_success, finished_reason=finish_reason)
+
     def _collect(self, plan, result) -> list[EngineOutput]:
         outputs = []
         finished_parents = set()
+        now = time.monotonic()
         for update in self.scheduler.update_from_output(plan, result):
+            self._record_tokens(update.request, len(update.new_token_ids), now)
+            if update.finished:
+                self._record_finish(update.request, update.request.finish_reason)
             owner = self.sequence_owner.get(update.request.request_id)
             if owner is None:
                 continue

@@ -34,7 +34,10 @@ class Request:
     __slots__ = (
         "arrival_time",
         "block_hashes",
+        "first_scheduled_time",
+        "first_token_time",
         "gate_request_id",
+        "last_token_time",
         "max_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -67,6 +70,10 @@ class Request:
         # Sibling of an n > 1 request: waits until this request has scheduled the shared prompt, then reuses it.
         self.gate_request_id = gate_request_id
         self.num_tokens_sent = 0  # tokens the model runner already knows
+        # Monotonic timestamps for the latency metrics.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ prefill, prefix caching and recompute preemption fall out of that loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             plan.new_requests.append(
                 NewRequestData(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.requests import Request
@@ -23,13 +25,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_actor import EngineActor
+from executor.engine_core import validate_prompt
 from executor.executors import EngineDeadError
 from executor.output_processor import OutputProcessor, RequestState
 from model_executor.model_fetch import resolve_model
 from serve_app.engine_client import EngineClient
+from serve_app.http_guard import GuardError, HttpGuard
 from serve_app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    LogprobFormatter,
+    TokenizeRequest,
     error_body,
     message_text,
     now,
@@ -60,6 +67,16 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+PAGEDSERVE_VERSION = "0.1.0"
+
+
+def parameter_named_in(message: str) -> str | None:
+    """The request parameter an engine error message starts with, for the error's `param`."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in SAMPLING_FIELDS else None
+
+
 def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
     return f"{app_name}-engine-{replica_index}"
 
@@ -76,10 +93,11 @@ def get_or_create_engine(config: AppConfig) -> Any:
     ).remote(config.engine_config())
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard) -> Any:
+    raw = await guard.read_json_body(request)
     try:
-        payload = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise RequestError(400, f"request body is not valid JSON: {error}") from error
     if not isinstance(payload, dict):
         raise RequestError(400, "request body must be a JSON object")
@@ -105,32 +123,53 @@ class OpenAIIngress:
         self.engine_info = ray.get(engine.engine_info.remote(), timeout=ENGINE_READY_TIMEOUT_S)
         self.client = EngineClient(engine)
         self.processor = OutputProcessor(self.tokenizer)
+        self.guard = HttpGuard(self.config.serve)
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("GET", "/v1/models"): self.list_models,
             ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.metrics,
+            ("GET", "/version"): self.version,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize,
         }
         logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
 
-    async def __call__(self, request: Request) -> Response:
-        path = request.url.path
+    def route_path(self, request: Request) -> str:
+        """The ASGI scope path minus this app's route prefix: what routing and auth both decide on."""
+        path = request.scope.get("path", "/")
         # Under a route prefix (several apps on one Serve proxy) routes are matched after it.
         prefix = self.config.serve.route_prefix.rstrip("/")
-        if prefix and path.startswith(prefix):
+        if prefix and path.startswith(prefix + "/"):
             path = path[len(prefix) :]
-        path = path.rstrip("/") or "/"
-        handler = self.routes.get((request.method, path))
-        if handler is None:
-            known = sorted({route_path for _, route_path in self.routes})
-            status = 405 if any(route_path == path for _, route_path in self.routes) else 404
-            return error_response(status, f"no route {request.method} {path}; routes: {known}", "NotFoundError")
+        return path
+
+    async def __call__(self, request: Request) -> Response:
+        path = self.route_path(request)
+        extra_headers = self.guard.cors_headers(request)
+        request_id = request.headers.get("x-request-id")
+        if request_id:
+            extra_headers["X-Request-Id"] = request_id
+        if request.method == "OPTIONS":
+            return self.guard.preflight(request)
         try:
-            return await handler(request)
+            self.guard.check_auth(path, request)
+            handler = self.routes.get((request.method, path))
+            if handler is None:
+                known = sorted({route_path for _, route_path in self.routes})
+                status = 405 if any(route_path == path for _, route_path in self.routes) else 404
+                raise RequestError(status, f"no route {request.method} {path}; routes: {known}", "NotFoundError")
+            response = await handler(request)
+        except GuardError as error:
+            response = error.response()
         except RequestError as error:
-            return error_response(error.status, error.message, error.error_type, error.param)
+            response = error_response(error.status, error.message, error.error_type, error.param)
         except EngineDeadError as error:
-            return error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
+            response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
+        response.headers.update(extra_headers)
+        return response
 
     async def check_health(self) -> None:
         """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it."""
@@ -148,15 +187,55 @@ class OpenAIIngress:
         model["max_model_len"] = self.engine_info["max_model_len"]
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def metrics(self, request: Request) -> Response:
+        body = await self.client.engine.metrics_text.remote()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": PAGEDSERVE_VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        body: TokenizeRequest = await parse_body(request, TokenizeRequest, self.guard)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
+        if body.messages is not None:
+            token_ids = self._render_chat(body.messages, body.add_generation_prompt, False)
+        else:
+            token_ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse(
+            {"count": len(token_ids), "max_model_len": self.engine_info["max_model_len"], "tokens": token_ids}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest, self.guard)
+        self._check_model(body.model)
+        vocab_size = self.engine_info["vocab_size"]
+        bad = [token_id for token_id in body.tokens if not 0 <= token_id < vocab_size]
+        if bad:
+            raise RequestError(400, f"token id {bad[0]} is out of the vocabulary (size {vocab_size}).", param="tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
     def _check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             raise RequestError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
 
     def _sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        settings = self.config.serve
+        if body.n > settings.max_n:
+            raise RequestError(400, f"n must be at most {settings.max_n}, got {body.n}.", param="n")
+        if body.logit_bias and len(body.logit_bias) > settings.max_logit_bias_entries:
+            raise RequestError(
+                400,
+                f"logit_bias may have at most {settings.max_logit_bias_entries} entries, got {len(body.logit_bias)}.",
+                param="logit_bias",
+            )
+        if body.stream_options is not None and not body.stream:
+            raise RequestError(400, "stream_options can only be set when stream is true.", param="stream_options")
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as error:
-            raise RequestError(400, str(error)) from error
+            raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
 
     def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -231,11 +310,22 @@ class OpenAIIngress:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _validate_prompts(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> None:
+        """The engine's own checks, here, so a bad request is a 400 before anything reaches the scheduler."""
+        for _, token_ids in prompts:
+            try:
+                validate_prompt(token_ids, params, self.engine_info["max_model_len"], self.engine_info["vocab_size"])
+            except ValueError as error:
+                raise RequestError(400, str(error), param=parameter_named_in(str(error)) or "prompt") from error
+
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        body: CompletionRequest = await parse_body(request, CompletionRequest, self.guard)
         self._check_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
         prompts = self._completion_prompts(body.prompt)
+        self._validate_prompts(prompts, params)
         completion_id = random_id("cmpl")
         created = now()
         if body.stream:
@@ -245,18 +335,18 @@ class OpenAIIngress:
             final[prompt_index] = state
         choices = []
         num_completion_tokens = 0
-        for prompt_index, (prompt, _) in enumerate(prompts):
+        for prompt_index in range(len(prompts)):
             output = final[prompt_index].output
             for completion in output.outputs:
                 num_completion_tokens += len(completion.token_ids)
-                text = completion.text
-                if body.echo:
-                    text = (prompt or self.tokenizer.decode(output.prompt_token_ids)) + text
+                prefix = self._echo_text(prompts[prompt_index]) if body.echo else ""
                 choices.append(
                     {
                         "index": prompt_index * params.n + completion.index,
-                        "text": text,
-                        "logprobs": None,
+                        "text": prefix + completion.text,
+                        "logprobs": None
+                        if completion.logprobs is None
+                        else self.logprobs.completion(completion.logprobs),
                         "finish_reason": completion.finish_reason,
                         "stop_reason": completion.stop_reason,
                     }
@@ -273,30 +363,46 @@ class OpenAIIngress:
             }
         )
 
+    def _echo_text(self, prompt: tuple[str | None, list[int]]) -> str:
+        text, token_ids = prompt
+        return text if text is not None else self.tokenizer.decode(token_ids)
+
     async def _completion_chunks(
         self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: CompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
+        def chunk(index: int, text: str, logprobs: Any = None, finish_reason: Any = None, stop_reason: Any = None):
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+            return {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+
+        if body.echo:
+            for prompt_index, prompt in enumerate(prompts):
+                for index in range(params.n):
+                    yield chunk(prompt_index * params.n + index, self._echo_text(prompt))
         num_completion_tokens = 0
+        text_offsets: dict[int, int] = {}
         async for prompt_index, state in self._merged(completion_id, prompts, params):
             for delta in state.deltas:
                 num_completion_tokens += len(delta.token_ids)
                 if not delta.text and delta.finish_reason is None:
                     continue
-                yield {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [
-                        {
-                            "index": prompt_index * params.n + delta.index,
-                            "text": delta.text,
-                            "logprobs": None,
-                            "finish_reason": delta.finish_reason,
-                            "stop_reason": delta.stop_reason,
-                        }
-                    ],
-                }
+                index = prompt_index * params.n + delta.index
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self.logprobs.completion(delta.logprobs, text_offsets.get(index, 0))
+                    text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
+                yield chunk(index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)
         if body.stream_options and body.stream_options.include_usage:
             num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
             yield {
@@ -308,42 +414,48 @@ class OpenAIIngress:
                 "usage": usage(num_prompt_tokens, num_completion_tokens),
             }
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if not body.messages:
+    def _render_chat(self, messages: list[Any], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        if not messages:
             raise RequestError(400, "messages must not be empty.", param="messages")
         try:
-            conversation = [{"role": message.role, "content": message_text(message)} for message in body.messages]
+            conversation = [{"role": message.role, "content": message_text(message)} for message in messages]
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
-                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
             )
         except ValueError as error:
             raise RequestError(400, str(error), param="messages") from error
+        # The template already holds the special tokens the model expects.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.guard)
         self._check_model(body.model)
-        prompt_token_ids = self._chat_prompt(body)
+        for refused in ("chat_template", "chat_template_kwargs"):
+            if (body.model_extra or {}).get(refused) is not None:
+                raise RequestError(400, f"{refused} from the request is not accepted.", param=refused)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        prompt_token_ids = self._render_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
+        prompts = [(None, prompt_token_ids)]
+        self._validate_prompts(prompts, params)
         completion_id = random_id("chatcmpl")
         created = now()
-        prompts = [(None, prompt_token_ids)]
         if body.stream:
             return self._stream(self._chat_chunks(completion_id, created, prompts, params, body))
-        final: RequestState | None = None
-        async for _, final in self._merged(completion_id, prompts, params):  # noqa: B007 (the last state wins)
+        state: RequestState | None = None
+        async for _, state in self._merged(completion_id, prompts, params):  # noqa: B007 (the last state wins)
             pass
-        state = final
         choices = [
             {
                 "index": completion.index,
                 "message": {"role": "assistant", "content": completion.text},
-                "logprobs": None,
+                "logprobs": None if completion.logprobs is None else self.logprobs.chat(completion.logprobs),
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason,
             }
@@ -364,13 +476,13 @@ class OpenAIIngress:
     async def _chat_chunks(
         self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: ChatCompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish_reason: Any = None, logprobs: Any = None):
             return {
                 "id": completion_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
             }
 
         for index in range(params.n):
@@ -379,8 +491,9 @@ class OpenAIIngress:
         async for _, state in self._merged(completion_id, prompts, params):
             for delta in state.deltas:
                 num_completion_tokens += len(delta.token_ids)
-                if delta.text:
-                    yield chunk(delta.index, {"content": delta.text})
+                logprobs = self.logprobs.chat(delta.logprobs) if params.logprobs is not None else None
+                if delta.text or logprobs:
+                    yield chunk(delta.index, {"content": delta.text}, logprobs=logprobs)
                 if delta.finish_reason is not None:
                     yield chunk(delta.index, {}, delta.finish_reason)
         if body.stream_options and body.stream_options.include_usage:

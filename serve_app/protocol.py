@@ -136,3 +136,64 @@ def message_text(message: ChatMessage) -> str:
             raise ValueError(f"messages content part of type {part.get('type')!r} is not supported (text only).")
         parts.append(str(part.get("text", "")))
     return "".join(parts)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class LogprobFormatter:
+    """OpenAI's two logprob shapes (completions and chat) from the sampler's TokenLogprobs."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self.token_texts[token_id] = text
+        return text
+
+    def completion(self, entries: list[Any], text_offset: int = 0) -> dict[str, Any]:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for entry in entries:
+            token = self.text(entry.token_id)
+            tokens.append(token)
+            token_logprobs.append(entry.logprob)
+            top = {self.text(token_id): logprob for token_id, logprob in entry.top_logprobs}
+            top.setdefault(token, entry.logprob)
+            top_logprobs.append(top)
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    def chat(self, entries: list[Any]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {
+                    **item(entry.token_id, entry.logprob),
+                    "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top_logprobs],
+                }
+                for entry in entries
+            ]
+        }

@@ -77,7 +77,7 @@ def test_percentile_interpolates_like_numpy():
 
 def test_summarize_known_values():
     summary = summarize(hand_made_records(), duration_s=2.0)
-    assert SUMMARY_KEYS <= set(summary)
+    assert set(summary) >= SUMMARY_KEYS
     assert summary["completed"] == 2
     assert summary["failed"] == 1
     assert summary["duration"] == 2.0
@@ -100,8 +100,8 @@ def test_summarize_known_values():
     assert summary["median_itl_ms"] == pytest.approx(25.0)
     assert summary["p99_itl_ms"] == pytest.approx(39.7)
     assert summary["mean_e2el_ms"] == pytest.approx(250.0)
-    # The failed request (0.1 .. 9.1 s) overlaps both others.
-    assert summary["max_concurrent_requests"] == 3
+    # The failed request (0.1 .. 9.1 s) overlaps each of the others, which do not overlap each other.
+    assert summary["max_concurrent_requests"] == 2
 
 
 def test_summarize_duration_defaults_to_first_start_to_last_end():
@@ -259,7 +259,7 @@ def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
     assert summary["total_output_tokens"] == 64
     assert 1 <= summary["max_concurrent_requests"] <= 4
     saved = json.loads(output.read_text())
-    assert SUMMARY_KEYS <= set(saved["summary"])
+    assert set(saved["summary"]) >= SUMMARY_KEYS
     assert saved["model"] == "tiny-random-llama"
     assert saved["config"]["max_concurrency"] == 4
     assert saved["config"]["request_rate"] == "inf"

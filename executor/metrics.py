@@ -1,0 +1,84 @@
+"""Engine metrics under vLLM's names (and ours), kept in the scheduler actor so they cover every ingress replica.
+
+Gauges are read from the scheduler at scrape time; counters and histograms are fed by the step loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+REQUEST_BUCKETS += (480.0, 960.0, 1920.0, 7680.0)
+PREFIXES = ("vllm", "pagedserve")
+
+
+class EngineMetrics:
+    """Every metric exists twice, as `vllm:<name>` (so vLLM dashboards work) and `pagedserve:<name>`."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def both(kind: type, name: str, documentation: str, **kwargs: object) -> list:
+            return [
+                kind(f"{prefix}:{name}", documentation, labels, registry=self.registry, **kwargs) for prefix in PREFIXES
+            ]
+
+        self.running = both(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = both(Gauge, "num_requests_waiting", "Requests waiting for KV blocks or a batch slot.")
+        self.kv_usage = both(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = both(Counter, "prompt_tokens", "Prompt tokens of requests admitted.")
+        self.generation_tokens = both(Counter, "generation_tokens", "Tokens generated.")
+        self.preemptions = both(Counter, "num_preemptions", "Recompute preemptions.")
+        self.prefix_queries = both(Counter, "prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_hits = both(Counter, "prefix_cache_hits", "Tokens found in the prefix cache.")
+        labels = ["model_name", "finished_reason"]
+        self.request_success = both(Counter, "request_success", "Finished requests by finish reason.")
+        labels = ["model_name"]
+        self.ttft = both(Histogram, "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS)
+        self.itl = both(Histogram, "inter_token_latency_seconds", "Time between tokens.", buckets=ITL_BUCKETS)
+        self.e2e = both(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=REQUEST_BUCKETS)
+        self.queue_time = both(
+            Histogram, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS
+        )
+        self._seen_preemptions = 0
+        self._seen_prefix_queries = 0
+        self._seen_prefix_hits = 0
+
+    def _labelled(self, metrics: Iterable, **labels: str) -> list:
+        return [metric.labels(model_name=self.model_name, **labels) for metric in metrics]
+
+    def observe(self, metrics: Iterable, value: float) -> None:
+        for metric in self._labelled(metrics):
+            metric.observe(value)
+
+    def increment(self, metrics: Iterable, amount: float = 1.0, **labels: str) -> None:
+        if amount:
+            for metric in self._labelled(metrics, **labels):
+                metric.inc(amount)
+
+    def update_from_scheduler(self, scheduler) -> None:
+        """Gauges now, and the scheduler's cumulative counts turned into counter increments."""
+        kv_cache = scheduler.kv_cache
+        for metrics, value in (
+            (self.running, len(scheduler.running)),
+            (self.waiting, len(scheduler.waiting)),
+            (self.kv_usage, kv_cache.usage),
+        ):
+            for metric in self._labelled(metrics):
+                metric.set(value)
+        self.increment(self.preemptions, scheduler.num_preemptions - self._seen_preemptions)
+        self.increment(self.prefix_queries, kv_cache.prefix_cache_queries - self._seen_prefix_queries)
+        self.increment(self.prefix_hits, kv_cache.prefix_cache_hits - self._seen_prefix_hits)
+        self._seen_preemptions = scheduler.num_preemptions
+        self._seen_prefix_queries = kv_cache.prefix_cache_queries
+        self._seen_prefix_hits = kv_cache.prefix_cache_hits
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
