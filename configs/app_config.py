@@ -45,6 +45,7 @@ class ParallelSection(Section):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs per model worker.")
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers.")
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
 
 
 class ServeSection(Section):

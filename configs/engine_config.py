@@ -39,6 +39,9 @@ class EngineConfig(BaseModel):
         "STRICT_PACK", description="Ray placement-group strategy for the worker bundles (one bundle per worker)."
     )
     worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs each worker's bundle reserves.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: Triton paged attention on CUDA, the torch backend on CPU."
+    )
     distributed_executor: Literal["auto", "uniproc", "ray"] = Field(
         "auto", description="auto: in-process for TP=PP=1 offline use, Ray worker actors otherwise."
     )

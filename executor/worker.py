@@ -74,6 +74,7 @@ class ModelWorker:
             self.model_info,
             self.config.block_size,
             parallel,
+            attention_backend=self.config.attention_backend,
             seed=self.config.seed,
             show_progress=show_progress,
         )
