@@ -236,14 +236,15 @@ def synthetic_prompts(num_prompts: int, input_len: int, seed: int, shared_prefix
 
 
 def arrival_gaps(num_requests: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds to wait before sending each request: zeros at rate inf, else exponential gaps (Poisson arrivals)."""
+    """Seconds to wait before sending each request: zeros at rate inf, else the first at once and exponential gaps
+    (Poisson arrivals) after it, as vllm schedules them."""
     if math.isinf(request_rate):
         return [0.0] * num_requests
     if request_rate <= 0:
         raise ValueError(f"request rate must be positive or inf, got {request_rate}")
     # A generator of its own, so the schedule doesn't depend on how many words the prompts drew.
     rng = random.Random(seed + 1)
-    return [rng.expovariate(request_rate) for _ in range(num_requests)]
+    return [0.0] + [rng.expovariate(request_rate) for _ in range(num_requests - 1)] if num_requests else []
 
 
 # ---------------------------------------------------------------------------------------------------------------

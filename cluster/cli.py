@@ -1,4 +1,4 @@
-"""`pagedserve` command line: fetch-model, bench-offline, serve."""
+"""`pagedserve` command line: fetch-model, serve, bench (HTTP), bench-offline."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from configs.app_config import AppConfig
 
     config = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    overrides = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    settings = (("host", args.host), ("port", args.port), ("api_key", args.api_key))
+    overrides = {key: value for key, value in settings if value is not None}
     if overrides:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=overrides)})
     serve_forever(config)
@@ -83,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_argument("--max-concurrency", type=int, default=None, help="default: unlimited")
     bench_serve.add_argument("--shared-prefix-words", type=int, default=0, help="same N-word prefix on every prompt")
-    bench_serve.add_argument("--seed", type=int, default=0)
+    bench_serve.add_argument(
+        "--seed", type=int, default=0, help="prompts and arrivals; change it between runs on a prefix-caching server"
+    )
     bench_serve.add_argument("--output-json", default=None)
     bench_serve.add_argument("--api-key", default=None, help="sent as a Bearer token")
     bench_serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="a YAML preset (path, or a name under configs/)")
     serve.add_argument("--host", default=None, help="overrides serve.host")
     serve.add_argument("--port", type=int, default=None, help="overrides serve.port")
+    serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` (also $PAGEDSERVE_API_KEY)"
+    )
     serve.set_defaults(handler=cmd_serve)
     return parser
 

@@ -149,6 +149,7 @@ def test_dataset_and_schedule_are_seeded():
     assert len({" ".join(prompt.split()[:5]) for prompt in prompts}) == 1
     assert arrival_gaps(3, math.inf, 0) == [0.0, 0.0, 0.0]
     gaps = arrival_gaps(2000, 20.0, 0)
+    assert gaps[0] == 0.0  # the first request goes at once, as in vllm
     assert gaps == arrival_gaps(2000, 20.0, 0)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
 

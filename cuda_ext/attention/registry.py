@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from cuda_ext.attention.base import AttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
+# Imported on first use, so CPU-only runs never import triton or need a CUDA toolchain.
+LAZY_BACKENDS: dict[str, str] = {"triton": "cuda_ext.attention.triton_backend:TritonAttentionBackend"}
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class registered as `name`, importing a lazily registered one on first use."""
+    if name not in BACKENDS and name in LAZY_BACKENDS:
+        module_name, class_name = LAZY_BACKENDS[name].split(":")
+        BACKENDS[name] = getattr(importlib.import_module(module_name), class_name)
+    if name not in BACKENDS:
+        choices = sorted({*BACKENDS, *LAZY_BACKENDS})
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {choices} or 'auto'")
+    return BACKENDS[name]
 
 
 def get_attention_backend(
@@ -18,9 +33,15 @@ def get_attention_backend(
     head_dim: int,
     sliding_window: int | None = None,
 ) -> AttentionBackend:
-    """`name` is a registered backend or "auto" (the torch backend until the Triton one lands)."""
+    """`name` is a registered backend or "auto": Triton on CUDA, the torch backend elsewhere.
+
+    "triton" on a CPU device only works with TRITON_INTERPRET=1 set before triton is imported (tests).
+    """
     if name == "auto":
-        name = TorchAttentionBackend.name
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
-    return BACKENDS[name](num_heads, num_kv_heads, head_dim, sliding_window)
+        name = "triton" if torch.device(device).type == "cuda" else TorchAttentionBackend.name
+    cls = backend_class(name)
+    if name == "triton":
+        from cuda_ext.attention.triton_backend import check_triton_device
+
+        check_triton_device(torch.device(device))
+    return cls(num_heads, num_kv_heads, head_dim, sliding_window)
