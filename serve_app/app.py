@@ -93,12 +93,8 @@ def get_or_create_engine(config: AppConfig) -> Any:
     ).remote(config.engine_config())
 
 
-async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard) -> Any:
-    raw = await guard.read_json_body(request)
-    try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-        raise RequestError(400, f"request body is not valid JSON: {error}") from error
+def validate_payload(model: type[BaseModel], payload: Any) -> Any:
+    """A JSON object -> the request model, or a 400 naming the first bad field (never pydantic's 422)."""
     if not isinstance(payload, dict):
         raise RequestError(400, "request body must be a JSON object")
     try:
@@ -107,6 +103,15 @@ async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard)
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
         raise RequestError(400, f"{param}: {first['msg']}", param=param) from error
+
+
+async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard) -> Any:
+    raw = await guard.read_json_body(request)
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise RequestError(400, f"request body is not valid JSON: {error}") from error
+    return validate_payload(model, payload)
 
 
 class OpenAIIngress:
@@ -170,6 +175,29 @@ class OpenAIIngress:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         response.headers.update(extra_headers)
         return response
+
+    async def process_body(self, route: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """One non-streamed OpenAI request body through a DeploymentHandle (batch jobs): (HTTP status, JSON).
+
+        Same validation, engine path and error shapes as over HTTP, without an HTTP hop.
+        """
+        handlers = {
+            "/v1/completions": (CompletionRequest, self.complete),
+            "/v1/chat/completions": (ChatCompletionRequest, self.chat),
+        }
+        try:
+            if route not in handlers:
+                raise RequestError(404, f"batch requests go to {sorted(handlers)}, not {route!r}", "NotFoundError")
+            model, handler = handlers[route]
+            body = validate_payload(model, payload)
+            if body.stream:
+                raise RequestError(400, "stream is not supported in batch requests.", param="stream")
+            response = await handler(body)
+        except RequestError as error:
+            response = error_response(error.status, error.message, error.error_type, error.param)
+        except EngineDeadError as error:
+            response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
+        return response.status_code, json.loads(response.body)
 
     async def check_health(self) -> None:
         """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it."""
@@ -319,7 +347,9 @@ class OpenAIIngress:
                 raise RequestError(400, str(error), param=parameter_named_in(str(error)) or "prompt") from error
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = await parse_body(request, CompletionRequest, self.guard)
+        return await self.complete(await parse_body(request, CompletionRequest, self.guard))
+
+    async def complete(self, body: CompletionRequest) -> Response:
         self._check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
@@ -431,7 +461,9 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.guard)
+        return await self.chat(await parse_body(request, ChatCompletionRequest, self.guard))
+
+    async def chat(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         for refused in ("chat_template", "chat_template_kwargs"):
             if (body.model_extra or {}).get(refused) is not None:

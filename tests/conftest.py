@@ -102,7 +102,8 @@ def ray_cluster() -> Any:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+        # "local": never attach to a head some other test started with `ray start`.
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         from ray import serve

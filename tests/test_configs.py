@@ -8,7 +8,8 @@ import pytest
 
 from configs.app_config import AppConfig
 
-PRESETS = sorted(Path("configs").glob("*.yaml"))
+SERVE_CONFIG = Path("configs/serve.yaml")
+PRESETS = sorted(path for path in Path("configs").glob("*.yaml") if path != SERVE_CONFIG)
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda path: path.name)
@@ -45,3 +46,12 @@ def test_invalid_value_names_the_field(tmp_path):
     bad.write_text("parallel:\n  tensor_parallel_size: 0\n")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         AppConfig.from_yaml(bad)
+
+
+def test_serve_config_file_carries_an_app_config():
+    import yaml
+
+    serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
+    (application,) = serve_config["applications"]
+    assert application["import_path"] == "serve_app.app:build_app"
+    assert AppConfig.model_validate(application["args"]).serve.app_name == application["name"]
