@@ -98,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="a YAML preset (path, or a name under configs/)")
     serve.add_argument("--host", default=None, help="overrides serve.host")
     serve.add_argument("--port", type=int, default=None, help="overrides serve.port")
-    serve.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` (also $PAGEDSERVE_API_KEY)"
-    )
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (also $PAGEDSERVE_API_KEY)")
     serve.set_defaults(handler=cmd_serve)
     return parser
 
