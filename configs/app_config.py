@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,6 +63,14 @@ class ServeSection(Section):
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body accepted (413 beyond).")
     max_n: int = Field(64, ge=1, description="Largest n (completions per prompt) a request may ask for.")
     max_logit_bias_entries: int = Field(300, ge=1, description="Most logit_bias entries per request.")
+    engine_replicas: int = Field(1, ge=1, description="Engine replicas (scheduler actor + workers) behind the ingress.")
+    routing: Literal["least_loaded", "prefix"] = Field(
+        "least_loaded", description="How the ingress spreads requests over engine replicas."
+    )
+    routing_prefix_tokens: int = Field(256, ge=1, description="Prompt tokens that decide the replica for 'prefix'.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config for the ingress (replaces ingress_replicas)."
+    )
 
 
 class AppConfig(Section):

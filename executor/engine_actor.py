@@ -27,12 +27,12 @@ OUTPUT_POLL_TIMEOUT_S = 2.0
 class EngineActor:
     """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, engine_index: int = 0):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config
         model_dir = resolve_model(config.model)
         model_info = load_model_info(model_dir, config)
-        self.core = EngineCore(config, model_info, RayExecutor(config, model_info))
+        self.core = EngineCore(config, model_info, RayExecutor(config, model_info), engine_index)
         self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
         self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.request_client: dict[str, str] = {}

@@ -86,14 +86,14 @@ def fit_context_to_kv_cache(model_info: ModelInfo, config: EngineConfig, num_kv_
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_info: ModelInfo, executor: Executor):
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, executor: Executor, engine_index: int = 0):
         self.config = config
         self.executor = executor
         self.model_info = fit_context_to_kv_cache(model_info, config, executor.num_kv_blocks)
         self.scheduler = Scheduler(
             config, executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
         )
-        self.metrics = EngineMetrics(config.model_name)
+        self.metrics = EngineMetrics(config.model_name, engine_index)
         self.children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.sequence_owner: dict[str, tuple[str, int]] = {}
 

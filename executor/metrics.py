@@ -20,10 +20,11 @@ PREFIXES = ("vllm", "pagedserve")
 class EngineMetrics:
     """Every metric exists twice, as `vllm:<name>` (so vLLM dashboards work) and `pagedserve:<name>`."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine_index: int = 0):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        self.engine = str(engine_index)
+        labels = ["model_name", "engine"]
 
         def both(kind: type, name: str, documentation: str, **kwargs: object) -> list:
             return [
@@ -38,9 +39,9 @@ class EngineMetrics:
         self.preemptions = both(Counter, "num_preemptions", "Recompute preemptions.")
         self.prefix_queries = both(Counter, "prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = both(Counter, "prefix_cache_hits", "Tokens found in the prefix cache.")
-        labels = ["model_name", "finished_reason"]
+        labels = ["model_name", "engine", "finished_reason"]
         self.request_success = both(Counter, "request_success", "Finished requests by finish reason.")
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self.ttft = both(Histogram, "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS)
         self.itl = both(Histogram, "inter_token_latency_seconds", "Time between tokens.", buckets=ITL_BUCKETS)
         self.e2e = both(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=REQUEST_BUCKETS)
@@ -52,7 +53,7 @@ class EngineMetrics:
         self._seen_prefix_hits = 0
 
     def _labelled(self, metrics: Iterable, **labels: str) -> list:
-        return [metric.labels(model_name=self.model_name, **labels) for metric in metrics]
+        return [metric.labels(model_name=self.model_name, engine=self.engine, **labels) for metric in metrics]
 
     def observe(self, metrics: Iterable, value: float) -> None:
         for metric in self._labelled(metrics):

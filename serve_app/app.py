@@ -30,6 +30,7 @@ from executor.executors import EngineDeadError
 from executor.output_processor import OutputProcessor, RequestState
 from model_executor.model_fetch import resolve_model
 from serve_app.engine_client import EngineClient
+from serve_app.engine_router import EngineRouter, merge_expositions
 from serve_app.http_guard import GuardError, HttpGuard
 from serve_app.protocol import (
     ChatCompletionRequest,
@@ -81,16 +82,16 @@ def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
     return f"{app_name}-engine-{replica_index}"
 
 
-def get_or_create_engine(config: AppConfig) -> Any:
-    """The scheduler actor of this app; the first ingress replica creates it, the others find it by name."""
+def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
+    """A scheduler actor of this app; the first ingress replica creates it, the others find it by name."""
     engine_class = ray.remote(EngineActor)
     return engine_class.options(
-        name=engine_actor_name(config.serve.app_name),
+        name=engine_actor_name(config.serve.app_name, replica_index),
         namespace=ENGINE_NAMESPACE,
         get_if_exists=True,
         num_cpus=0,
         max_concurrency=10_000,
-    ).remote(config.engine_config())
+    ).remote(config.engine_config(), replica_index)
 
 
 def validate_payload(model: type[BaseModel], payload: Any) -> Any:
@@ -124,9 +125,13 @@ class OpenAIIngress:
         self.config = AppConfig.model_validate(app_config)
         self.model_name = self.config.engine_config().model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
-        engine = get_or_create_engine(self.config)
-        self.engine_info = ray.get(engine.engine_info.remote(), timeout=ENGINE_READY_TIMEOUT_S)
-        self.client = EngineClient(engine)
+        settings = self.config.serve
+        engines = [get_or_create_engine(self.config, index) for index in range(settings.engine_replicas)]
+        infos = ray.get([engine.engine_info.remote() for engine in engines], timeout=ENGINE_READY_TIMEOUT_S)
+        # Replicas may differ in KV capacity; validate against the strictest.
+        self.engine_info = min(infos, key=lambda info: info["max_model_len"])
+        self.clients = [EngineClient(engine) for engine in engines]
+        self.router = EngineRouter(self.clients, settings.routing, settings.routing_prefix_tokens)
         self.processor = OutputProcessor(self.tokenizer)
         self.guard = HttpGuard(self.config.serve)
         self.logprobs = LogprobFormatter(self.tokenizer)
@@ -199,13 +204,16 @@ class OpenAIIngress:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         return response.status_code, json.loads(response.body)
 
+    async def _check_engines(self) -> None:
+        await asyncio.gather(*(client.engine.check_health.remote() for client in self.clients))
+
     async def check_health(self) -> None:
         """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it."""
-        await self.client.engine.check_health.remote()
+        await self._check_engines()
 
     async def health(self, request: Request) -> Response:
         try:
-            await asyncio.wait_for(self.client.engine.check_health.remote(), 10)
+            await asyncio.wait_for(self._check_engines(), 10)
         except Exception as error:
             return error_response(503, f"engine unhealthy: {error}", "ServiceUnavailableError")
         return Response(status_code=200)
@@ -216,8 +224,8 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def metrics(self, request: Request) -> Response:
-        body = await self.client.engine.metrics_text.remote()
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        expositions = await asyncio.gather(*(client.engine.metrics_text.remote() for client in self.clients))
+        return Response(merge_expositions(expositions), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": PAGEDSERVE_VERSION})
@@ -281,12 +289,13 @@ class OpenAIIngress:
     ) -> AsyncIterator[RequestState]:
         """Yields the request's state each time it changes, until every completion finished."""
         state = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        client = self.router.pick(prompt_token_ids)
         try:
-            async with contextlib.aclosing(self.client.generate(request_id, prompt_token_ids, params)) as stream:
+            async with contextlib.aclosing(client.generate(request_id, prompt_token_ids, params)) as stream:
                 async for outputs in stream:
                     processed = self.processor.process(outputs)
                     for stopped_id, index, stop_string in processed.stop_strings:
-                        await self.client.stop_completion(stopped_id, index, stop_string)
+                        await client.stop_completion(stopped_id, index, stop_string)
                     if processed.changed:
                         yield state
                     if state.output.finished:
@@ -566,8 +575,13 @@ def build_app(config: AppConfig | dict[str, Any] | str | Path | None = None) -> 
         config = (
             AppConfig.from_yaml(config["config"]) if set(config) == {"config"} else AppConfig.model_validate(config)
         )
+    scaling = (
+        {"autoscaling_config": config.serve.autoscaling_config}
+        if config.serve.autoscaling_config
+        else {"num_replicas": config.serve.ingress_replicas}
+    )
     deployment = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        num_replicas=config.serve.ingress_replicas,
+        **scaling,
         max_ongoing_requests=config.serve.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
         health_check_period_s=10,

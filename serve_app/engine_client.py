@@ -38,6 +38,10 @@ class EngineClient:
         self.pump_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
     def _ensure_pump(self) -> None:
         if self.pump_task is None or self.pump_task.done():
             self.engine_error = None
