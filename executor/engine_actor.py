@@ -30,9 +30,9 @@ class EngineActor:
     def __init__(self, config: EngineConfig, engine_index: int = 0):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config
-        model_dir = resolve_model(config.model)
-        model_info = load_model_info(model_dir, config)
-        self.core = EngineCore(config, model_info, RayExecutor(config, model_info), engine_index)
+        self.engine_index = engine_index
+        self.core: EngineCore | None = None
+        self.start_lock: asyncio.Lock | None = None
         self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
         self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.request_client: dict[str, str] = {}
@@ -40,6 +40,24 @@ class EngineActor:
         self.loop_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self.num_steps = 0
+
+    def _build_core(self) -> EngineCore:
+        model_info = load_model_info(resolve_model(self.config.model), self.config)
+        return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
+
+    async def _started(self) -> EngineCore:
+        """Workers are created on first use, in a thread: the event loop keeps answering meanwhile."""
+        if self.core is None:
+            self.start_lock = self.start_lock or asyncio.Lock()
+            async with self.start_lock:
+                if self.core is None:
+                    self._raise_if_dead()
+                    try:
+                        self.core = await asyncio.to_thread(self._build_core)
+                    except Exception as error:
+                        self.dead_reason = f"engine failed to start: {error}"
+                        raise
+        return self.core
 
     def _ensure_loop(self) -> None:
         if self.loop_task is None:
@@ -51,6 +69,7 @@ class EngineActor:
 
     async def engine_info(self) -> dict[str, Any]:
         """What an ingress needs to validate requests the way the engine will."""
+        await self._started()
         info = self.core.model_info
         return {
             "max_model_len": info.max_model_len,
@@ -63,6 +82,7 @@ class EngineActor:
         self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         """Raises ValueError on bad input (nothing is queued) and EngineDeadError once the engine is down."""
+        await self._started()
         self._raise_if_dead()
         self._ensure_loop()
         self.core.add_request(request_id, prompt_token_ids, params)
@@ -70,17 +90,20 @@ class EngineActor:
         self.new_work.set()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._started()
         self.core.abort_request(request_ids)
         for request_id in request_ids:
             self.request_client.pop(request_id, None)
 
     async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
+        await self._started()
         self.core.stop_completion(request_id, index, stop_string)
         if request_id not in self.core.children:
             self.request_client.pop(request_id, None)
 
     async def get_outputs(self, client_id: str) -> list[EngineOutput]:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        await self._started()
         self._ensure_loop()
         event = self.client_events[client_id]
         if not self.client_outputs.get(client_id):
@@ -94,10 +117,12 @@ class EngineActor:
         return outputs
 
     async def check_health(self) -> None:
+        await self._started()
         self._raise_if_dead()
         await self.core.executor.check_health_async()
 
     async def stats(self) -> dict[str, Any]:
+        await self._started()
         scheduler = self.core.scheduler
         kv_cache = scheduler.kv_cache
         return {
@@ -114,15 +139,18 @@ class EngineActor:
 
     async def metrics_text(self) -> bytes:
         """Prometheus exposition of this engine's metrics, gauges read now."""
+        await self._started()
         self.core.metrics.update_from_scheduler(self.core.scheduler)
         return self.core.metrics.exposition()
 
     async def worker_handles(self) -> list[Any]:
         """The model worker actors, for operators (and fault-injection tests)."""
+        await self._started()
         return list(self.core.executor.workers)
 
     async def topology(self) -> dict[str, Any]:
         """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
+        await self._started()
         workers = await asyncio.gather(*[worker.identity.remote() for worker in self.core.executor.workers])
         return {"engine_pid": os.getpid(), "workers": list(workers)}
 
@@ -155,4 +183,5 @@ class EngineActor:
     async def shutdown(self) -> None:
         if self.loop_task is not None:
             self.loop_task.cancel()
-        self.core.shutdown()
+        if self.core is not None:
+            self.core.shutdown()
