@@ -15,8 +15,8 @@ import torch
 from cuda_ext.attention.base import AttentionBackend, AttentionBatch
 from cuda_ext.kernels.reshape_and_cache import reshape_and_cache
 from cuda_ext.kernels.unified_attention import (
+    INTERPRETED,
     TileConfig,
-    is_interpreting,
     make_tile_config,
     plan_query_tiles,
     unified_attention,
@@ -42,11 +42,11 @@ class TritonAttentionMetadata:
 
 
 def check_triton_device(device: torch.device) -> None:
-    """Raise a clear error where Triton kernels cannot run: CPU tensors need the interpreter."""
-    if device.type != "cuda" and not is_interpreting():
+    """Raise a clear error where Triton kernels cannot run: CPU tensors need the kernels interpreted."""
+    if device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"the triton attention backend needs a CUDA device, got {device}; "
-            "set TRITON_INTERPRET=1 before importing triton to run it on CPU (slow, for tests)"
+            "set TRITON_INTERPRET=1 before cuda_ext.kernels is imported to run it on CPU (slow, for tests)"
         )
 
 

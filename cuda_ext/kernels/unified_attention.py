@@ -27,6 +27,8 @@ SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 SMALL_TILE_N = 32
 LARGE_TILE_N = 64
+# Kernels are decorated for the interpreter or for the GPU once, at import: TRITON_INTERPRET=1 must be set before.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,9 @@ def _attend_tile(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -148,9 +152,10 @@ def _attend_tile(
     kv_end = context_len + last_q + 1
     if SLIDING_WINDOW > 0:
         # The first query of the tile sees the earliest key; start at the KV tile that holds it.
-        kv_begin = tl.maximum(context_len + q_start - SLIDING_WINDOW + 1, 0)
-        kv_begin = (kv_begin // TILE_N) * TILE_N
+        kv_lo = tl.maximum(context_len + q_start - SLIDING_WINDOW + 1, 0)
+        kv_begin = (kv_lo // TILE_N) * TILE_N
     else:
+        kv_lo = 0
         kv_begin = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -160,7 +165,8 @@ def _attend_tile(
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
     for tile_start in range(kv_begin, kv_end, TILE_N):
         key_pos = tile_start + tl.arange(0, TILE_N)
-        key_valid = key_pos < kv_end
+        # Keys no row of the tile may see are not even loaded (0 * garbage could be NaN in P @ V).
+        key_valid = (key_pos >= kv_lo) & (key_pos < kv_end)
         # Each key finds its physical block, so a KV tile may span several cache blocks.
         physical = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot_offsets = physical * stride_cb + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_cs + kv_head_offset
@@ -198,7 +204,8 @@ def _attend_tile(
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+# num_small_tiles changes every step: not specializing on it avoids recompiles (e.g. when it is 1).
+@triton.jit(do_not_specialize=["num_small_tiles"])
 def unified_attention_kernel(
     query_ptr,
     key_cache_ptr,
@@ -303,11 +310,6 @@ def unified_attention_kernel(
         )
 
 
-def is_interpreting() -> bool:
-    """Whether triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
 def unified_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -339,7 +341,7 @@ def unified_attention(
         raise ValueError("caches and output need a contiguous head_dim, and both caches the same strides")
     num_kv_heads = key_cache.shape[2]
     # fp32 models want exact fp32 dots on GPU (not TF32); the interpreter's bf16 dot is wrong, so it gets fp32.
-    dot_fp32 = query.dtype == torch.float32 or is_interpreting()
+    dot_fp32 = query.dtype == torch.float32 or INTERPRETED
     unified_attention_kernel[(num_tiles, num_kv_heads)](
         query,
         key_cache,
@@ -373,4 +375,6 @@ def unified_attention(
         LARGE_BLOCK_M=config.large_block_m,
         LARGE_TILE_N=config.large_tile_n,
         num_warps=4,
+        # fp32 K/V tiles are twice the shared memory per pipeline stage: fewer stages keep them within limits.
+        num_stages=2 if query.element_size() == 4 else 3,
     )
