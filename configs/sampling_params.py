@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature a request is sampled greedily (argmax), as in vLLM.
@@ -68,6 +69,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "an integer >= 1", self.n)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                fail(name, "a finite number", getattr(self, name))
         if self.temperature < 0:
             fail("temperature", "non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
@@ -94,12 +98,13 @@ class SamplingParams:
             fail("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"in [0, {MAX_LOGPROBS}]", self.logprobs)
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "an integer", self.seed)
+        # torch generators take seeds in [-2**63, 2**64 - 1]; completion i of n uses seed + i.
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
+            fail("seed", f"an integer in [-2**63, 2**64 - n] (n = {self.n})", self.seed)
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or token_id < 0:
                 fail("logit_bias", "keyed by non-negative token ids", token_id)
-            if not -100.0 <= bias <= 100.0:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 fail("logit_bias", "values in [-100, 100]", bias)
 
     @property

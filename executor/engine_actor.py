@@ -42,7 +42,11 @@ class EngineActor:
         self.num_steps = 0
 
     def _build_core(self) -> EngineCore:
-        model_info = load_model_info(resolve_model(self.config.model), self.config)
+        import ray
+
+        # The model runs on the workers' nodes, not here: decide CUDA from what the cluster offers.
+        cluster_has_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        model_info = load_model_info(resolve_model(self.config.model), self.config, cuda_available=cluster_has_gpus)
         return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
 
     async def _started(self) -> EngineCore:
@@ -169,14 +173,19 @@ class EngineActor:
                     event.set()
                 return
             self.num_steps += 1
+            finished_request_ids = set()
             for output in outputs:
                 client_id = self.request_client.get(output.request_id)
                 if client_id is None:
                     continue
                 self.client_outputs[client_id].append(output)
                 self.client_events[client_id].set()
-                if output.finish_reason is not None and output.request_id not in self.core.children:
-                    self.request_client.pop(output.request_id, None)
+                if output.finish_reason is not None:
+                    finished_request_ids.add(output.request_id)
+            # Forget a request's client only after the whole step: its n completions may finish together.
+            for request_id in finished_request_ids:
+                if request_id not in self.core.children:
+                    self.request_client.pop(request_id, None)
             # Yield so queued add_request / abort calls land between steps.
             await asyncio.sleep(0)
 

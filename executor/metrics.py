@@ -48,6 +48,12 @@ class EngineMetrics:
         self.queue_time = both(
             Histogram, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=REQUEST_BUCKETS
         )
+        # Every series exists from the start, so dashboards show 0 rather than "No data".
+        for metrics in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries):
+            self._labelled(metrics)
+        self._labelled(self.prefix_hits)
+        for reason in ("stop", "length", "abort"):
+            self._labelled(self.request_success, finished_reason=reason)
         self._seen_preemptions = 0
         self._seen_prefix_queries = 0
         self._seen_prefix_hits = 0

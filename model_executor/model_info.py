@@ -39,11 +39,15 @@ class ModelInfo:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def resolve_device(requested: str) -> str:
+def resolve_device(requested: str, cuda_available: bool | None = None) -> str:
+    """auto -> cuda when available. `cuda_available` defaults to this process's view (the scheduler actor passes
+    the cluster's: its workers, not it, hold the GPUs)."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but CUDA is not available on this machine")
+        return "cuda" if cuda_available else "cpu"
+    if requested == "cuda" and not cuda_available:
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
     return requested
 
 
@@ -62,13 +66,13 @@ def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
     return frozenset(eos)
 
 
-def load_model_info(model_dir: Path, config: EngineConfig) -> ModelInfo:
+def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = config.max_model_len or model_limit
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, cuda_available)
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return ModelInfo(
         model_dir=Path(model_dir),

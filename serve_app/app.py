@@ -158,10 +158,8 @@ class OpenAIIngress:
 
     async def __call__(self, request: Request) -> Response:
         path = self.route_path(request)
+        # X-Request-Id is echoed (or generated) by Ray Serve's own middleware.
         extra_headers = self.guard.cors_headers(request)
-        request_id = request.headers.get("x-request-id")
-        if request_id:
-            extra_headers["X-Request-Id"] = request_id
         if request.method == "OPTIONS":
             return self.guard.preflight(request)
         try:
@@ -236,7 +234,7 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
-            token_ids = self._render_chat(body.messages, body.add_generation_prompt, False)
+            token_ids = self._render_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
         else:
             token_ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse(

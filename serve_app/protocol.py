@@ -16,8 +16,8 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI clients send extras (vLLM does the same).
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are accepted and ignored, as OpenAI clients send extras (vLLM does the same); NaN is not a number.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -143,6 +143,7 @@ class TokenizeRequest(OpenAIBaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = True
 
 
