@@ -39,6 +39,9 @@ class EngineActor:
         self.new_work = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        self.client_failures: dict[str, str] = {}
+        self.rebuild_task: asyncio.Task | None = None
+        self.num_rebuilds = 0
         self.num_steps = 0
 
     def _build_core(self) -> EngineCore:
@@ -64,7 +67,7 @@ class EngineActor:
         return self.core
 
     def _ensure_loop(self) -> None:
-        if self.loop_task is None:
+        if self.loop_task is None or self.loop_task.done():
             self.loop_task = asyncio.get_running_loop().create_task(self._run_steps())
 
     def _raise_if_dead(self) -> None:
@@ -107,6 +110,9 @@ class EngineActor:
 
     async def get_outputs(self, client_id: str) -> list[EngineOutput]:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        failure = self.client_failures.pop(client_id, None)
+        if failure is not None:
+            raise EngineDeadError(failure)
         await self._started()
         self._ensure_loop()
         event = self.client_events[client_id]
@@ -121,9 +127,17 @@ class EngineActor:
         return outputs
 
     async def check_health(self) -> None:
-        await self._started()
-        self._raise_if_dead()
-        await self.core.executor.check_health_async()
+        """Raises while the engine is down; a worker found dead here starts the rebuild."""
+        core = await self._started()
+        try:
+            await core.executor.check_health_async()
+        except EngineDeadError as error:
+            if self.core is core and not self._rebuilding():
+                logger.error("health check found a dead worker: %s; rebuilding the engine", error)
+                if self.loop_task is not None:
+                    self.loop_task.cancel()
+                self._start_rebuild(str(error))
+            raise
 
     async def stats(self) -> dict[str, Any]:
         await self._started()
@@ -139,6 +153,7 @@ class EngineActor:
             "prefix_cache_queries": kv_cache.prefix_cache_queries,
             "prefix_cache_hits": kv_cache.prefix_cache_hits,
             "num_steps": self.num_steps,
+            "num_rebuilds": self.num_rebuilds,
         }
 
     async def metrics_text(self) -> bytes:
@@ -167,10 +182,9 @@ class EngineActor:
             try:
                 outputs = await self.core.step_async()
             except Exception as error:
-                self.dead_reason = f"engine step failed: {error}"
-                logger.exception("engine step failed; the engine is down")
-                for event in self.client_events.values():
-                    event.set()
+                logger.exception("engine step failed; failing in-flight requests and rebuilding the engine")
+                if not self._rebuilding():
+                    self._start_rebuild(f"engine step failed: {error}")
                 return
             self.num_steps += 1
             finished_request_ids = set()
@@ -188,6 +202,45 @@ class EngineActor:
                     self.request_client.pop(request_id, None)
             # Yield so queued add_request / abort calls land between steps.
             await asyncio.sleep(0)
+
+    def _rebuilding(self) -> bool:
+        return self.rebuild_task is not None and not self.rebuild_task.done()
+
+    def _start_rebuild(self, reason: str) -> None:
+        self._fail_in_flight(reason)
+        self.rebuild_task = asyncio.get_running_loop().create_task(self._rebuild())
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """Every client with requests in flight gets one EngineDeadError from its next get_outputs."""
+        self.dead_reason = reason
+        for client_id in set(self.request_client.values()):
+            self.client_failures[client_id] = reason
+            self.client_outputs.pop(client_id, None)
+        self.request_client.clear()
+        for event in self.client_events.values():
+            event.set()
+
+    async def _rebuild(self) -> None:
+        """Replace the failed workers, placement group and scheduler state; serve again when done."""
+        failed_core, self.core = self.core, None
+        try:
+            await asyncio.to_thread(failed_core.shutdown)
+        except Exception:
+            logger.exception("cleaning up the failed engine")
+        try:
+            self.core = await asyncio.to_thread(self._build_core)
+        except Exception as error:
+            self.dead_reason = f"engine rebuild failed: {error}"
+            logger.exception("engine rebuild failed; the engine stays down")
+            return
+        self.loop_task = None
+        self.num_rebuilds += 1
+        self.dead_reason = None
+        logger.info("engine rebuilt (%d so far); serving again", self.num_rebuilds)
+
+    async def ping(self) -> bool:
+        """Alive (even while rebuilding): what Ray Serve's replica health check asks."""
+        return True
 
     async def shutdown(self) -> None:
         if self.loop_task is not None:

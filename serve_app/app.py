@@ -206,8 +206,9 @@ class OpenAIIngress:
         await asyncio.gather(*(client.engine.check_health.remote() for client in self.clients))
 
     async def check_health(self) -> None:
-        """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it."""
-        await self._check_engines()
+        """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it. Only a scheduler actor
+        that is gone counts: one that is rebuilding its workers is alive (its /health says 503 meanwhile)."""
+        await asyncio.gather(*(client.engine.ping.remote() for client in self.clients))
 
     async def health(self, request: Request) -> Response:
         try:

@@ -1,4 +1,5 @@
-"""A fault after a stream started reaches the client as one SSE error chunk, then `data: [DONE]`; /health says 503."""
+"""A dead worker: the stream in flight ends with one SSE error chunk and `data: [DONE]`, /health says 503 while
+the scheduler actor rebuilds its workers, and then the same endpoint serves again."""
 
 from __future__ import annotations
 
@@ -47,9 +48,20 @@ def test_worker_death_mid_stream_ends_with_error_chunk_and_done(serve_port):
         assert error["code"] == 503 and "engine" in error["message"]
         assert all("choices" in json.loads(event) for event in events[:-2])
         assert time.monotonic() - started < 60  # an error, fast, never a hang
-        assert httpx.get(f"{base}/health", timeout=30).status_code == 503
+        # Down while the scheduler actor rebuilds its workers, then serving again on its own.
         refused = httpx.post(f"{base}/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        health = [httpx.get(f"{base}/health", timeout=30).status_code]
+        deadline = time.monotonic() + 180
+        while health[-1] != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            health.append(httpx.get(f"{base}/health", timeout=30).status_code)
+        assert health[0] == 503 and health[-1] == 200
+        answer = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        stats = ray.get(engine.stats.remote())
+        assert stats["num_rebuilds"] == 1
+        assert stats["num_free_blocks"] == stats["num_kv_blocks"]
     finally:
         serve.delete(CONFIG.serve.app_name)
