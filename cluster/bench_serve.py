@@ -1,7 +1,9 @@
 """`pagedserve bench`: an online serving benchmark in the style of `vllm bench serve`.
 
 Sends streaming requests over real HTTP to any OpenAI-compatible endpoint (ours or another server) and reports
-request and token throughput with TTFT, TPOT, ITL and end-to-end latency statistics.
+request and token throughput with TTFT, TPOT, ITL and end-to-end latency statistics. With `baselines` on, the same
+prompts then go through HF transformers `generate` and our model's linear layers alone (see `cluster.baselines`),
+and the report adds our throughput as ratios of theirs.
 
 Callers that want the numbers rather than the printed report use `run_benchmark` (async, returns a dict) and the
 pure `summarize` on `RequestRecord`s.
@@ -71,6 +73,14 @@ class BenchConfig:
     timeout: float = 600.0  # seconds a single request may take in total before it counts as failed
     warmup: bool = True  # one untimed request first; the benchmark aborts if it fails
     disable_tqdm: bool = False
+    # After the HTTP run: HF generate and the matmul roofline on the same prompts, in this process.
+    baselines: bool = False
+    model_dir: str | None = None  # the served model's HF directory; None: resolve the served id if it is an alias
+    hf_batch_sizes: tuple[int, ...] = (8, 16, 32)  # static batch sizes tried for HF generate (a "8,16" string works)
+    roofline_iterations: int = 20  # timed linear-only decode steps per batch size (median taken)
+
+    def __post_init__(self) -> None:
+        self.hf_batch_sizes = parse_batch_sizes(self.hf_batch_sizes)
 
     @classmethod
     def from_any(cls, args: BenchConfig | argparse.Namespace | dict[str, Any]) -> BenchConfig:
@@ -80,6 +90,18 @@ class BenchConfig:
         values = args if isinstance(args, dict) else vars(args)
         names = {config_field.name for config_field in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in names})
+
+
+def parse_batch_sizes(value: str | Sequence[int]) -> tuple[int, ...]:
+    """ "8,16,32" (or a sequence of ints) -> (8, 16, 32); raises ValueError unless every size is an int >= 1."""
+    parts = [part for part in value.split(",") if part.strip()] if isinstance(value, str) else list(value)
+    try:
+        sizes = tuple(int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch sizes must be comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"batch sizes must be one or more integers >= 1, got {value!r}")
+    return sizes
 
 
 @dataclass
@@ -224,6 +246,34 @@ def format_report(summary: dict[str, Any], config: BenchConfig | None = None) ->
     return "\n".join(lines)
 
 
+def format_baselines(baselines: dict[str, Any]) -> str:
+    """The printed "Baselines" block: our throughput, HF generate per batch size, the matmul roofline, ratios."""
+
+    def row(label: str, value: Any) -> str:
+        return f"{label:<40} {value}".rstrip()
+
+    best = baselines["hf_best"]
+    batch = baselines["roofline_batch_size"]
+    lines = ["{:=^50}".format(" Baselines ")]
+    lines.append(row("Model directory:", baselines["model_dir"]))
+    lines.append(row("Torch threads (HF and roofline):", baselines["torch_threads"]))
+    lines.append(row("Ours: output token throughput (tok/s):", f"{baselines['ours_output_tok_per_s']:.2f}"))
+    for run in baselines["hf"]:
+        lines.append(row(f"HF generate, batch {run['batch_size']} (tok/s):", f"{run['output_tok_per_s']:.2f}"))
+    lines.append(row("HF generate best (tok/s):", f"{best['output_tok_per_s']:.2f}"))
+    lines.append(row("HF generate best batch size:", best["batch_size"]))
+    for key in ("roofline", "roofline_batch1"):
+        roofline = baselines[key]
+        lines.append(row(f"Matmul roofline, batch {roofline['batch_size']} (tok/s):", f"{roofline['tok_per_s']:.2f}"))
+        lines.append(
+            row(f"  linears-only step, batch {roofline['batch_size']} (ms):", f"{roofline['step_time_s'] * 1e3:.2f}")
+        )
+    lines.append(row("Ours / HF best:", f"{baselines['ratio_ours_vs_hf_best']:.3f}"))
+    lines.append(row(f"Ours / roofline (batch {batch}):", f"{baselines['ratio_ours_vs_roofline']:.3f}"))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dataset and request schedule
 
@@ -361,6 +411,84 @@ async def first_model_id(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def baseline_model_dir(model_dir: str | None, served_model: str) -> Path:
+    """`model_dir` when given, else the served id resolved as a known alias (fetched if missing); ValueError
+    for any other served id, which needs --model-dir."""
+    from model_executor.model_fetch import MODEL_ALIASES, resolve_model
+    from model_executor.tiny_model import TINY_ALIAS
+
+    if model_dir:
+        return resolve_model(model_dir)
+    if served_model in MODEL_ALIASES or served_model == TINY_ALIAS:
+        return resolve_model(served_model)
+    raise ValueError(
+        f"--baselines needs the weights of the served model {served_model!r}, which is no known alias "
+        f"({', '.join(sorted([*MODEL_ALIASES, TINY_ALIAS]))}): pass --model-dir"
+    )
+
+
+def run_baselines(
+    config: BenchConfig, model_dir: Path, prompts: Sequence[str], summary: dict[str, Any]
+) -> dict[str, Any]:
+    """HF generate and the matmul roofline on the HTTP run's prompts and output length, with ratios to `summary`.
+
+    The roofline batch is the HTTP run's peak number of concurrent requests (its effective decode batch, at most
+    max_concurrency), and batch 1 besides.
+    """
+    import torch
+
+    from cluster.baselines import hf_generate_throughput, matmul_roofline
+
+    show_progress = not config.disable_tqdm
+    logger.info("baselines on %d prompts, %d tokens out, model %s", len(prompts), config.output_len, model_dir)
+    hf_runs = hf_generate_throughput(
+        model_dir,
+        prompts,
+        config.output_len,
+        config.hf_batch_sizes,
+        chat=config.endpoint == "chat",
+        show_progress=show_progress,
+    )
+    best = max(hf_runs, key=lambda run: run["output_tok_per_s"])
+    batch = max(1, summary["max_concurrent_requests"])
+    roofline = matmul_roofline(model_dir, batch, config.roofline_iterations, show_progress=show_progress)
+    roofline_batch1 = (
+        roofline
+        if batch == 1
+        else matmul_roofline(model_dir, 1, config.roofline_iterations, show_progress=show_progress)
+    )
+    ours = summary["output_throughput"]
+    # The HTTP run's input tokens (server usage, successful requests) should equal HF's unpadded prompt tokens.
+    http_prompt_tokens = summary["total_input_tokens"] if summary.get("input_tokens_known") else None
+    if summary["failed"] == 0 and http_prompt_tokens is not None and http_prompt_tokens != best["prompt_tokens"]:
+        logger.warning(
+            "HF tokenized the prompts to %d tokens, the server to %d", best["prompt_tokens"], http_prompt_tokens
+        )
+    return {
+        "model_dir": str(model_dir),
+        "num_prompts": len(prompts),
+        "output_len": config.output_len,
+        "torch_threads": torch.get_num_threads(),
+        "ours_output_tok_per_s": ours,
+        "http_prompt_tokens": http_prompt_tokens,
+        "hf": hf_runs,
+        "hf_best": best,
+        "hf_best_batch_size": best["batch_size"],
+        "hf_best_output_tok_per_s": best["output_tok_per_s"],
+        "roofline_batch_size": batch,
+        "roofline": roofline,
+        "roofline_tok_per_s": roofline["tok_per_s"],
+        "roofline_batch1": roofline_batch1,
+        "roofline_batch1_tok_per_s": roofline_batch1["tok_per_s"],
+        "ratio_ours_vs_hf_best": ours / best["output_tok_per_s"],
+        "ratio_ours_vs_roofline": ours / roofline["tok_per_s"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The benchmark
 
 
@@ -379,6 +507,8 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
         raise ValueError("num_prompts and output_len must be >= 1; input_len and shared_prefix_words >= 0")
     if config.max_concurrency is not None and config.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {config.max_concurrency}")
+    if config.baselines and config.roofline_iterations < 1:
+        raise ValueError(f"roofline_iterations must be >= 1, got {config.roofline_iterations}")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # Enough pooled connections for every in-flight request: waiting on the pool would count as TTFT.
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
@@ -386,6 +516,8 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
     gaps = arrival_gaps(config.num_prompts, config.request_rate, config.seed)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
         model = config.model or await first_model_id(client, config.base_url)
+        # Before any request: a missing model directory must not cost a whole benchmark run first.
+        model_dir = baseline_model_dir(config.model_dir, model) if config.baselines else None
         logger.info(
             "benchmarking %s at %s: %d prompts, %d+%d words in, %d tokens out, rate %s req/s, concurrency %s",
             model,
@@ -441,6 +573,13 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
             short[:10],
         )
     print(format_report(summary, config))  # the report is the command's output
+    baselines = None
+    if model_dir is not None:
+        if summary["completed"]:
+            baselines = run_baselines(config, model_dir, prompts, summary)
+            print(format_baselines(baselines))
+        else:
+            logger.warning("no request succeeded: no baselines to compare with")
 
     result: dict[str, Any] = {
         "date": datetime.now().isoformat(timespec="seconds"),
@@ -455,6 +594,8 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
         "start_times": [record.start_s for record in records],
         "errors": [record.error for record in records],
     }
+    if baselines is not None:
+        result["baselines"] = baselines
     # API keys stay out of result files; inf is no JSON number.
     result["config"]["api_key"] = "***" if config.api_key else None
     if math.isinf(config.request_rate):

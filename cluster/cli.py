@@ -92,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
     bench_serve.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed request")
     bench_serve.add_argument("--disable-tqdm", action="store_true")
+    bench_serve.add_argument(
+        "--baselines",
+        action="store_true",
+        help="after the HTTP run, time HF generate and our linear layers alone on the same prompts, print ratios",
+    )
+    bench_serve.add_argument(
+        "--model-dir", default=None, help="HF directory of the served model (default: the served id, if an alias)"
+    )
+    bench_serve.add_argument(
+        "--hf-batch-sizes", default="8,16,32", help="static batch sizes tried for HF, comma-separated"
+    )
+    bench_serve.add_argument(
+        "--roofline-iterations", type=int, default=20, help="timed linears-only decode steps per batch size"
+    )
     bench_serve.set_defaults(handler=cmd_bench)
 
     serve = commands.add_parser("serve", help="serve the OpenAI API on Ray Serve until Ctrl-C")

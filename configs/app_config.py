@@ -36,6 +36,7 @@ class CacheSection(Section):
 class SchedulerSection(Section):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(128, ge=1)
+    max_waiting_requests: int = Field(1024, ge=1, description="Queue cap; beyond it requests get 503 + Retry-After.")
     seed: int = 0
 
 
@@ -61,6 +62,9 @@ class ServeSection(Section):
     )
     cors_allow_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS ('*' = any).")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body accepted (413 beyond).")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="End-to-end limit per request: 504 (or an SSE error) and its blocks freed."
+    )
     max_n: int = Field(64, ge=1, description="Largest n (completions per prompt) a request may ask for.")
     max_logit_bias_entries: int = Field(300, ge=1, description="Most logit_bias entries per request.")
     engine_replicas: int = Field(1, ge=1, description="Engine replicas (scheduler actor + workers) behind the ingress.")

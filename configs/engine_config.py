@@ -28,6 +28,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks; overrides the budget.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step (chunked prefill).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
+    max_waiting_requests: int = Field(
+        1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")
     num_threads: int | None = Field(

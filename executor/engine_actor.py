@@ -93,6 +93,8 @@ class EngineActor:
         self._raise_if_dead()
         self._ensure_loop()
         self.core.add_request(request_id, prompt_token_ids, params)
+        # Requests of this client from before a rebuild were already failed, however its pump learnt it.
+        self.client_failures.pop(client_id, None)
         self.request_client[request_id] = client_id
         self.new_work.set()
 

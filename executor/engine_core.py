@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
-from executor.executors import Executor
+from executor.executors import EngineOverloadedError, Executor
 from executor.metrics import EngineMetrics
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
@@ -102,6 +102,11 @@ class EngineCore:
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
+        if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the engine is overloaded: {len(self.scheduler.waiting)} sequences are waiting "
+                f"(max_waiting_requests {self.config.max_waiting_requests}); retry later"
+            )
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
         first_child = child_request_id(request_id, 0)

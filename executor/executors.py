@@ -22,6 +22,10 @@ class EngineDeadError(RuntimeError):
     """A model worker died or failed; the engine cannot go on and must be rebuilt."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: the request was refused before it took any resource."""
+
+
 def default_threads_per_worker(config: EngineConfig) -> int:
     if config.num_threads:
         return config.num_threads

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_actor import EngineActor
 from executor.engine_core import validate_prompt
-from executor.executors import EngineDeadError
+from executor.executors import EngineDeadError, EngineOverloadedError
 from executor.output_processor import OutputProcessor, RequestState
 from model_executor.model_fetch import resolve_model
 from serve_app.engine_client import EngineClient
@@ -115,6 +116,16 @@ async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard)
     return validate_payload(model, payload)
 
 
+@dataclass(slots=True)
+class Submission:
+    """A prompt queued in an engine replica, with the detokenizing state that follows it."""
+
+    request_id: str
+    prompt_index: int
+    client: EngineClient
+    state: RequestState
+
+
 class OpenAIIngress:
     """One ingress replica: speaks HTTP and text; the scheduler actor deals in token ids only."""
 
@@ -174,6 +185,9 @@ class OpenAIIngress:
             response = error.response()
         except RequestError as error:
             response = error_response(error.status, error.message, error.error_type, error.param)
+        except EngineOverloadedError as error:
+            response = error_response(503, str(error), "ServiceUnavailableError")
+            response.headers["Retry-After"] = "1"
         except EngineDeadError as error:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         response.headers.update(extra_headers)
@@ -198,6 +212,8 @@ class OpenAIIngress:
             response = await handler(body)
         except RequestError as error:
             response = error_response(error.status, error.message, error.error_type, error.param)
+        except EngineOverloadedError as error:
+            response = error_response(503, str(error), "ServiceUnavailableError")
         except EngineDeadError as error:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         return response.status_code, json.loads(response.body)
@@ -283,14 +299,32 @@ class OpenAIIngress:
             return [(item, self.tokenizer.encode(item)) for item in prompt]
         return [(None, list(item)) for item in prompt]
 
-    async def _generate(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestState]:
-        """Yields the request's state each time it changes, until every completion finished."""
-        state = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
-        client = self.router.pick(prompt_token_ids)
+    async def _submit(
+        self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> list[Submission]:
+        """Queue every prompt in an engine before any response starts: refusals stay plain HTTP errors."""
+        submissions: list[Submission] = []
         try:
-            async with contextlib.aclosing(client.generate(request_id, prompt_token_ids, params)) as stream:
+            for prompt_index, (prompt, token_ids) in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}"
+                client = self.router.pick(token_ids)
+                state = self.processor.add_request(request_id, prompt, token_ids, params)
+                submissions.append(Submission(request_id, prompt_index, client, state))
+                await client.submit(request_id, token_ids, params)
+        except BaseException as error:
+            for submission in submissions:
+                self.processor.requests.pop(submission.request_id, None)
+                await submission.client.cancel(submission.request_id)
+            if isinstance(error, ValueError):
+                raise RequestError(400, str(error)) from error
+            raise
+        return submissions
+
+    async def _follow(self, submission: Submission, params: SamplingParams) -> AsyncIterator[RequestState]:
+        """Yields the request's state each time it changes, until every completion finished."""
+        state, client = submission.state, submission.client
+        try:
+            async with contextlib.aclosing(client.outputs(submission.request_id, params.n)) as stream:
                 async for outputs in stream:
                     processed = self.processor.process(outputs)
                     for stopped_id, index, stop_string in processed.stop_strings:
@@ -299,38 +333,33 @@ class OpenAIIngress:
                         yield state
                     if state.output.finished:
                         return
-        except ValueError as error:
-            raise RequestError(400, str(error)) from error
         finally:
-            self.processor.requests.pop(request_id, None)
+            self.processor.requests.pop(submission.request_id, None)
 
     async def _merged(
-        self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+        self, submissions: list[Submission], params: SamplingParams
     ) -> AsyncIterator[tuple[int, RequestState]]:
-        """Run every prompt at once; yield (prompt index, state) as they progress."""
-        if len(prompts) == 1:
-            prompt, token_ids = prompts[0]
-            async with contextlib.aclosing(self._generate(base_id, prompt, token_ids, params)) as stream:
+        """Follow every prompt at once; yield (prompt index, state) as they progress."""
+        if len(submissions) == 1:
+            async with contextlib.aclosing(self._follow(submissions[0], params)) as stream:
                 async for state in stream:
                     yield 0, state
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def run(prompt_index: int, prompt: str | None, token_ids: list[int]) -> None:
+        async def run(submission: Submission) -> None:
             try:
-                async with contextlib.aclosing(
-                    self._generate(f"{base_id}-{prompt_index}", prompt, token_ids, params)
-                ) as stream:
+                async with contextlib.aclosing(self._follow(submission, params)) as stream:
                     async for state in stream:
-                        queue.put_nowait((prompt_index, state))
+                        queue.put_nowait((submission.prompt_index, state))
             except BaseException as error:
                 queue.put_nowait(error)
                 raise
             finally:
                 queue.put_nowait(done)
 
-        tasks = [asyncio.create_task(run(index, *prompt)) for index, prompt in enumerate(prompts)]
+        tasks = [asyncio.create_task(run(submission)) for submission in submissions]
         try:
             remaining = len(tasks)
             while remaining:
@@ -345,6 +374,14 @@ class OpenAIIngress:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _timeout_error(self) -> RequestError:
+        limit = self.config.serve.request_timeout_s
+        return RequestError(504, f"the request did not finish within {limit} s and was aborted.", "TimeoutError")
+
+    def _deadline(self) -> asyncio.Timeout:
+        """The configured end-to-end limit (none by default)."""
+        return asyncio.timeout(self.config.serve.request_timeout_s)
 
     def _validate_prompts(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> None:
         """The engine's own checks, here, so a bad request is a 400 before anything reaches the scheduler."""
@@ -366,11 +403,16 @@ class OpenAIIngress:
         self._validate_prompts(prompts, params)
         completion_id = random_id("cmpl")
         created = now()
+        submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
-            return self._stream(self._completion_chunks(completion_id, created, prompts, params, body))
+            return self._stream(self._completion_chunks(completion_id, created, prompts, submissions, params, body))
         final: dict[int, RequestState] = {}
-        async for prompt_index, state in self._merged(completion_id, prompts, params):
-            final[prompt_index] = state
+        try:
+            async with self._deadline():
+                async for prompt_index, state in self._merged(submissions, params):
+                    final[prompt_index] = state
+        except TimeoutError as error:
+            raise self._timeout_error() from error
         choices = []
         num_completion_tokens = 0
         for prompt_index in range(len(prompts)):
@@ -406,7 +448,13 @@ class OpenAIIngress:
         return text if text is not None else self.tokenizer.decode(token_ids)
 
     async def _completion_chunks(
-        self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: CompletionRequest
+        self,
+        completion_id: str,
+        created: int,
+        prompts: list,
+        submissions: list[Submission],
+        params: SamplingParams,
+        body: CompletionRequest,
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(index: int, text: str, logprobs: Any = None, finish_reason: Any = None, stop_reason: Any = None):
             choice = {
@@ -430,7 +478,7 @@ class OpenAIIngress:
                     yield chunk(prompt_index * params.n + index, self._echo_text(prompt))
         num_completion_tokens = 0
         text_offsets: dict[int, int] = {}
-        async for prompt_index, state in self._merged(completion_id, prompts, params):
+        async for prompt_index, state in self._merged(submissions, params):
             for delta in state.deltas:
                 num_completion_tokens += len(delta.token_ids)
                 if not delta.text and delta.finish_reason is None:
@@ -486,11 +534,16 @@ class OpenAIIngress:
         self._validate_prompts(prompts, params)
         completion_id = random_id("chatcmpl")
         created = now()
+        submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
-            return self._stream(self._chat_chunks(completion_id, created, prompts, params, body))
+            return self._stream(self._chat_chunks(completion_id, created, prompts, submissions, params, body))
         state: RequestState | None = None
-        async for _, state in self._merged(completion_id, prompts, params):  # noqa: B007 (the last state wins)
-            pass
+        try:
+            async with self._deadline():
+                async for _, state in self._merged(submissions, params):  # noqa: B007 (the last state wins)
+                    pass
+        except TimeoutError as error:
+            raise self._timeout_error() from error
         choices = [
             {
                 "index": completion.index,
@@ -514,7 +567,13 @@ class OpenAIIngress:
         )
 
     async def _chat_chunks(
-        self, completion_id: str, created: int, prompts: list, params: SamplingParams, body: ChatCompletionRequest
+        self,
+        completion_id: str,
+        created: int,
+        prompts: list,
+        submissions: list[Submission],
+        params: SamplingParams,
+        body: ChatCompletionRequest,
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(index: int, delta: dict[str, Any], finish_reason: Any = None, logprobs: Any = None):
             return {
@@ -528,7 +587,7 @@ class OpenAIIngress:
         for index in range(params.n):
             yield chunk(index, {"role": "assistant", "content": ""})
         num_completion_tokens = 0
-        async for _, state in self._merged(completion_id, prompts, params):
+        async for _, state in self._merged(submissions, params):
             for delta in state.deltas:
                 num_completion_tokens += len(delta.token_ids)
                 logprobs = self.logprobs.chat(delta.logprobs) if params.logprobs is not None else None
@@ -549,9 +608,12 @@ class OpenAIIngress:
     def _stream(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             try:
-                async with contextlib.aclosing(chunks) as stream:
+                async with self._deadline(), contextlib.aclosing(chunks) as stream:
                     async for payload in stream:
                         yield sse(payload)
+            except TimeoutError:
+                error = self._timeout_error()
+                yield sse(error_body(error.message, error.error_type, error.status))
             except RequestError as error:
                 yield sse(error_body(error.message, error.error_type, error.status, error.param))
             except EngineDeadError as error:

@@ -13,7 +13,7 @@ import ray
 
 from configs.sampling_params import SamplingParams
 from executor.engine_core import EngineOutput
-from executor.executors import EngineDeadError
+from executor.executors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def unwrap_ray_error(error: BaseException) -> BaseException:
     """A ValueError raised in the actor arrives wrapped; hand the original to the HTTP layer."""
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.as_instanceof_cause()
-        if isinstance(cause, ValueError | EngineDeadError):
+        if isinstance(cause, ValueError | EngineDeadError | EngineOverloadedError):
             return cause
         return EngineDeadError(str(error))
     if isinstance(error, ray.exceptions.RayActorError):
@@ -66,23 +66,25 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(request_outputs)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[list[EngineOutput]]:
-        """Yields this request's outputs per engine step until every completion finished.
-
-        Raises ValueError for bad input, EngineDeadError when the engine is down. Leaving early (client gone,
-        stop string) aborts the request in the engine, which frees its blocks.
-        """
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        num_unfinished = params.n
+    async def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue the request in the engine. Raises ValueError (bad input), EngineOverloadedError (queue full) or
+        EngineDeadError (engine down) before anything is streamed, so the client still gets a plain HTTP error."""
+        self.queues[request_id] = asyncio.Queue()
         try:
-            try:
-                await self.engine.add_request.remote(self.client_id, request_id, list(prompt_token_ids), params)
-            except Exception as error:
-                raise unwrap_ray_error(error) from None
-            self._ensure_pump()
+            await self.engine.add_request.remote(self.client_id, request_id, list(prompt_token_ids), params)
+        except Exception as error:
+            del self.queues[request_id]
+            raise unwrap_ray_error(error) from None
+        self._ensure_pump()
+
+    async def outputs(self, request_id: str, num_completions: int) -> AsyncIterator[list[EngineOutput]]:
+        """Yields a submitted request's outputs per engine step until every completion finished.
+
+        Leaving early (client gone, stop string, timeout) aborts the request in the engine, which frees its blocks.
+        """
+        queue = self.queues[request_id]
+        num_unfinished = num_completions
+        try:
             while num_unfinished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -90,9 +92,14 @@ class EngineClient:
                 num_unfinished -= sum(1 for output in item if output.finish_reason is not None)
                 yield item
         finally:
-            del self.queues[request_id]
+            self.queues.pop(request_id, None)
             if num_unfinished:
                 await self._abort_quietly(request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        """Drop a submitted request nobody will read."""
+        if self.queues.pop(request_id, None) is not None:
+            await self._abort_quietly(request_id)
 
     async def _abort_quietly(self, request_id: str) -> None:
         try:

@@ -1,5 +1,5 @@
-"""`pagedserve bench`: the pure metric math on hand-made records, SSE parsing on canned streams, and real runs over
-HTTP against a tiny model deployed on Ray Serve."""
+"""`pagedserve bench`: the pure metric math on hand-made records, SSE parsing on canned streams, the baselines on a
+tiny model, and real runs over HTTP against a tiny model deployed on Ray Serve."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import math
 import httpx
 import pytest
 
+from cluster.baselines import hf_generate_throughput, matmul_roofline
 from cluster.bench_serve import (
     BenchConfig,
     RequestRecord,
     arrival_gaps,
+    baseline_model_dir,
     format_report,
+    parse_batch_sizes,
     percentile,
     run_benchmark,
     send_request,
@@ -154,6 +157,52 @@ def test_dataset_and_schedule_are_seeded():
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
 
 
+def test_batch_sizes_parse_from_strings_and_sequences():
+    assert parse_batch_sizes("8,16,32") == (8, 16, 32)
+    assert parse_batch_sizes(" 2, 4 ,") == (2, 4)
+    assert parse_batch_sizes([4]) == (4,)
+    assert BenchConfig(hf_batch_sizes="2,4").hf_batch_sizes == (2, 4)
+    assert BenchConfig.from_any({"hf_batch_sizes": "3"}).hf_batch_sizes == (3,)
+    for bad in ("", "2,x", "0,4", "-1"):
+        with pytest.raises(ValueError):
+            parse_batch_sizes(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baselines on the tiny model (2 layers, hidden 64)
+
+
+def test_baseline_model_dir_resolves_aliases_and_needs_a_dir_otherwise(tiny_model_dir):
+    assert baseline_model_dir(None, "tiny-random-llama") == tiny_model_dir
+    assert baseline_model_dir(str(tiny_model_dir), "anything-served") == tiny_model_dir
+    with pytest.raises(ValueError, match="--model-dir"):
+        baseline_model_dir(None, "some/unknown-model")
+
+
+def test_matmul_roofline_on_the_tiny_model(tiny_model_dir):
+    for batch_size in (1, 4):
+        result = matmul_roofline(tiny_model_dir, batch_size, iterations=3, warmup=1, show_progress=False)
+        assert result["batch_size"] == batch_size
+        assert result["tok_per_s"] > 0
+        assert result["step_time_s"] > 0
+        assert result["tok_per_s"] == pytest.approx(batch_size / result["step_time_s"])
+        assert result["num_matmuls"] == 2 * 4 + 1  # qkv, o, gate_up, down per layer, then the LM head
+        # hidden 64, 4 heads / 2 KV heads of 16, intermediate 128, vocab 49152, untied LM head.
+        per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 128 + 128 * 64
+        assert result["linear_params"] == 2 * per_layer + 49152 * 64
+
+
+def test_hf_generate_throughput_on_the_tiny_model(tiny_model_dir):
+    prompts = synthetic_prompts(4, 6, seed=5)
+    runs = hf_generate_throughput(tiny_model_dir, prompts, 4, [2, 4], show_progress=False)
+    assert [run["batch_size"] for run in runs] == [2, 4]
+    for run in runs:
+        assert run["generated_tokens"] == 4 * 4
+        assert run["output_tok_per_s"] > 0
+        assert run["elapsed_s"] > 0
+        assert run["prompt_tokens"] >= 4 * 6
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SSE parsing on canned responses
 
@@ -268,12 +317,13 @@ def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
 
-def test_poisson_run_through_the_cli(bench_url, tmp_path):
+def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, tmp_path, capsys):
     from cluster.cli import main
 
     output = tmp_path / "poisson.json"
     argv = ["bench", "--base-url", bench_url, "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
     argv += ["--request-rate", "20", "--seed", "3", "--output-json", str(output), "--disable-tqdm"]
+    argv += ["--baselines", "--model-dir", str(tiny_model_dir), "--hf-batch-sizes", "2,4", "--roofline-iterations", "3"]
     assert main(argv) == 0
     saved = json.loads(output.read_text())
     assert saved["summary"]["completed"] == 8
@@ -282,6 +332,24 @@ def test_poisson_run_through_the_cli(bench_url, tmp_path):
     assert saved["config"]["request_rate"] == 20.0
     # Arrivals are spread out (mean gap 50 ms), not all at time zero.
     assert max(saved["start_times"]) > 0.05
+    # Baselines on the same 8 prompts and 4 output tokens.
+    baselines = saved["baselines"]
+    assert baselines["model_dir"] == str(tiny_model_dir)
+    assert baselines["ours_output_tok_per_s"] == pytest.approx(saved["summary"]["output_throughput"])
+    assert [run["batch_size"] for run in baselines["hf"]] == [2, 4]
+    assert all(run["generated_tokens"] == 8 * 4 for run in baselines["hf"])
+    # HF tokenized exactly the prompts the server did.
+    assert all(run["prompt_tokens"] == saved["summary"]["total_input_tokens"] for run in baselines["hf"])
+    assert baselines["hf_best_batch_size"] in (2, 4)
+    assert baselines["hf_best_output_tok_per_s"] == max(run["output_tok_per_s"] for run in baselines["hf"])
+    assert baselines["roofline_batch_size"] == saved["summary"]["max_concurrent_requests"]
+    assert baselines["roofline"]["batch_size"] == baselines["roofline_batch_size"]
+    assert baselines["roofline_batch1"]["batch_size"] == 1
+    assert baselines["roofline_tok_per_s"] > 0 and baselines["roofline_batch1_tok_per_s"] > 0
+    assert baselines["ratio_ours_vs_hf_best"] > 0
+    assert baselines["ratio_ours_vs_roofline"] > 0
+    printed = capsys.readouterr().out
+    assert "Baselines" in printed and "Ours / HF best:" in printed and "Ours / roofline" in printed
 
 
 def test_chat_endpoint_and_shared_prefix(bench_url):
