@@ -140,8 +140,19 @@ def test_topology_is_separate_actors(smol_url):
     assert os.getpid() not in worker_pids | {topology["engine_pid"]}
 
 
+def aborted_requests(smol_url: str) -> float:
+    text = httpx.get(f"{smol_url.removesuffix('/v1')}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line
+    )
+
+
 def test_disconnect_mid_stream_frees_blocks(smol_url):
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    aborted_before = aborted_requests(smol_url)
+    # Long enough that only an abort, not the natural end, can free it within the wait below.
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{smol_url}/completions", json=body) as response:
         assert response.status_code == 200
         received = 0
@@ -150,8 +161,10 @@ def test_disconnect_mid_stream_frees_blocks(smol_url):
                 received += 1
             if received == 3:
                 break  # leaving the block closes the connection mid-stream
-    stats = wait_until_idle(SMOL_APP)
+    # Serve propagates the disconnect through its proxy; on a loaded 2-core box that can take a while.
+    stats = wait_until_idle(SMOL_APP, timeout_s=90)
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert aborted_requests(smol_url) == aborted_before + 1
 
 
 def test_bad_request_is_400_and_server_keeps_serving(client, smol_url):
