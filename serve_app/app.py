@@ -375,6 +375,17 @@ class OpenAIIngress:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _run_to_end(self, submissions: list[Submission], params: SamplingParams) -> dict[int, RequestState]:
+        """Every prompt's final state (non-streamed responses), within the configured time limit."""
+        final: dict[int, RequestState] = {}
+        try:
+            async with self._deadline():
+                async for prompt_index, state in self._merged(submissions, params):
+                    final[prompt_index] = state
+        except TimeoutError as error:
+            raise self._timeout_error() from error
+        return final
+
     def _timeout_error(self) -> RequestError:
         limit = self.config.serve.request_timeout_s
         return RequestError(504, f"the request did not finish within {limit} s and was aborted.", "TimeoutError")
@@ -406,13 +417,7 @@ class OpenAIIngress:
         submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
             return self._stream(self._completion_chunks(completion_id, created, prompts, submissions, params, body))
-        final: dict[int, RequestState] = {}
-        try:
-            async with self._deadline():
-                async for prompt_index, state in self._merged(submissions, params):
-                    final[prompt_index] = state
-        except TimeoutError as error:
-            raise self._timeout_error() from error
+        final = await self._run_to_end(submissions, params)
         choices = []
         num_completion_tokens = 0
         for prompt_index in range(len(prompts)):
@@ -537,13 +542,7 @@ class OpenAIIngress:
         submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
             return self._stream(self._chat_chunks(completion_id, created, prompts, submissions, params, body))
-        state: RequestState | None = None
-        try:
-            async with self._deadline():
-                async for _, state in self._merged(submissions, params):  # noqa: B007 (the last state wins)
-                    pass
-        except TimeoutError as error:
-            raise self._timeout_error() from error
+        state = (await self._run_to_end(submissions, params))[0]
         choices = [
             {
                 "index": completion.index,
