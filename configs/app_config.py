@@ -47,6 +47,8 @@ class ParallelSection(Section):
     worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs per model worker.")
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers.")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: Literal["auto", "off", "padded"] = Field("auto", description="Decode CUDA graphs (see EngineConfig).")
+    cuda_graph_max_batch_size: int = Field(256, ge=1, description="Largest decode batch captured as a graph.")
 
 
 class ServeSection(Section):

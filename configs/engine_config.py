@@ -45,6 +45,14 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: Triton paged attention on CUDA, the torch backend on CPU."
     )
+    cuda_graphs: Literal["auto", "off", "padded"] = Field(
+        "auto",
+        description="auto: capture decode steps as CUDA graphs on CUDA (one pipeline stage); off: always eager; "
+        "padded: pad decode steps to the graph buckets but run them eagerly (checks the graph path on CPU).",
+    )
+    cuda_graph_max_batch_size: int = Field(
+        256, ge=1, description="Largest decode batch with a CUDA graph (capped at max_num_seqs); larger run eagerly."
+    )
     distributed_executor: Literal["auto", "uniproc", "ray"] = Field(
         "auto", description="auto: in-process for TP=PP=1 offline use, Ray worker actors otherwise."
     )

@@ -4,7 +4,7 @@ A captured graph replays fixed shapes, so a decode step of B requests runs the g
 >= B with its inputs padded by harmless rows: token id 0 at position 0, KV slot -1 (the cache write skips it),
 a block-table row of zeros and seq_len 1 (attention reads key 0 of block 0 and the result is discarded; 1 rather
 than 0 so no backend ever sees an empty softmax). The bucket and padding logic is pure and runs anywhere;
-`CudaGraphRunner` needs CUDA.
+`CudaGraphRunner.capture` needs CUDA, and without captured graphs the runner runs the padded inputs eagerly.
 """
 
 from __future__ import annotations
@@ -137,17 +137,19 @@ class CudaGraphRunner:
         buckets: Sequence[int],
         num_warmups: int = 2,
     ):
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA graphs need a CUDA device; run the eager path on this machine")
         self.fn = fn
         self.make_inputs = make_inputs
         self.buckets = sorted(buckets)
         self.num_warmups = num_warmups
         self.graphs: dict[int, CapturedGraph] = {}
         self.pool: tuple[int, int] | None = None
+        self.num_replays = 0
+        self.num_eager_runs = 0
 
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device; run the eager path on this machine")
         for bucket in reversed(self.buckets):
             if bucket in self.graphs:
                 continue
@@ -176,8 +178,10 @@ class CudaGraphRunner:
         """Replay the graph of `bucket` (the padded batch size) on inputs; run eagerly if it has no graph."""
         captured = self.graphs.get(bucket)
         if captured is None:
+            self.num_eager_runs += 1
             return self.fn(**inputs)
         for name, value in inputs.items():
             copy_into_static(captured.inputs[name], value)
         captured.graph.replay()
+        self.num_replays += 1
         return captured.output

@@ -9,6 +9,15 @@ import torch
 import torch.distributed as dist
 
 from cuda_ext.attention import AttentionBatch
+from cuda_ext.cuda_graphs import (
+    PADDING_SEQ_LEN,
+    PADDING_SLOT,
+    CudaGraphRunner,
+    DecodeInputs,
+    bucket_for,
+    decode_buckets,
+    pad_decode_inputs,
+)
 from model_executor.model_info import ModelInfo
 from model_executor.models import get_model_class
 from model_executor.parallel_state import ParallelContext
@@ -42,6 +51,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         seed: int = 0,
         show_progress: bool = True,
+        cuda_graphs: str = "auto",
+        cuda_graph_max_batch_size: int = 256,
     ):
         self.model_info = model_info
         self.block_size = block_size
@@ -67,6 +78,11 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a resumed request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
+        self.cuda_graphs = cuda_graphs
+        self.cuda_graph_max_batch_size = cuda_graph_max_batch_size
+        # Set by allocate_kv_cache when decode steps go through bucketed (and, on CUDA, captured) graphs.
+        self.decode_graphs: CudaGraphRunner | None = None
+        self.max_blocks_per_seq = 0
 
     def kv_cache_bytes_per_block(self) -> int:
         backend = self.attention_backend
@@ -90,6 +106,48 @@ class ModelRunner:
             num_blocks * self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**30,
         )
+        self._prepare_decode_graphs()
+
+    def _prepare_decode_graphs(self) -> None:
+        """Decode steps of up to cuda_graph_max_batch_size requests run padded to a bucket; on CUDA, as graphs."""
+        mode = self.cuda_graphs
+        # PP stages exchange hidden states between steps outside any graph; keep them eager.
+        graphable = self.device.type == "cuda" and self.parallel.pp_size == 1
+        if mode == "auto" and graphable and not self.attention_backend.supports_cuda_graphs:
+            logger.info("the %s attention backend cannot be captured; decode runs eagerly", self.attention_backend.name)
+            graphable = False
+        if mode == "off" or (mode == "auto" and not graphable):
+            return
+        self.max_blocks_per_seq = min(self.num_kv_blocks, -(-self.model_info.max_model_len // self.block_size))
+        buckets = decode_buckets(self.cuda_graph_max_batch_size)
+        self.decode_graphs = CudaGraphRunner(self._decode_forward, self._static_decode_inputs, buckets)
+        if mode == "auto":
+            logger.info("capturing CUDA graphs for decode batches %s", buckets)
+            with torch.inference_mode():
+                self.decode_graphs.capture()
+
+    def _static_decode_inputs(self, bucket: int) -> dict[str, torch.Tensor]:
+        """A bucket's graph inputs, filled with padding rows so warm-up and capture write no KV slot."""
+        device = self.device
+        return {
+            "input_ids": torch.zeros(bucket, dtype=torch.int64, device=device),
+            "positions": torch.zeros(bucket, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((bucket,), PADDING_SLOT, dtype=torch.int32, device=device),
+            "seq_lens": torch.full((bucket,), PADDING_SEQ_LEN, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(bucket, self.max_blocks_per_seq, dtype=torch.int32, device=device),
+        }
+
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """The graphed part of a decode step: attention metadata from device tensors, then the model."""
+        metadata = self.attention_backend.build_decode_metadata(seq_lens, block_tables, slot_mapping, self.block_size)
+        return self.model(input_ids, positions, self.kv_caches, metadata, None)
 
     def _add_request(self, new: NewRequestData) -> None:
         generator = None
@@ -156,14 +214,22 @@ class ModelRunner:
                 sampling_states.append(state)
             state.num_computed_tokens = end
         num_decodes = sum(1 for n in query_lens if n == 1)
-        attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes)
-        attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
-        input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        intermediate = None
-        if not self.parallel.is_first_stage:
-            intermediate = self._receive_intermediate(len(input_ids))
-        hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate)
+        bucket = None
+        if self.decode_graphs is not None and num_decodes == len(query_lens):
+            bucket = bucket_for(num_decodes, self.decode_graphs.buckets)
+        if bucket is not None:
+            decode_inputs = self._decode_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
+            padded_hidden = self.decode_graphs.run(decode_inputs, bucket)
+            hidden_states = padded_hidden[:num_decodes]
+        else:
+            attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes)
+            attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
+            input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+            positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            intermediate = None
+            if not self.parallel.is_first_stage:
+                intermediate = self._receive_intermediate(len(input_ids))
+            hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate)
         if not self.parallel.is_last_stage:
             self._send_intermediate(hidden_states)
             return StepResult()
@@ -175,6 +241,36 @@ class ModelRunner:
             return StepResult()
         sampled = self.sampler(logits, [state.sampling_row for state in sampling_states])
         return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
+
+    def _decode_inputs(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        bucket: int,
+    ) -> dict[str, torch.Tensor]:
+        """A decode step's inputs padded to its bucket, block tables cut to the blocks the kernels read."""
+        block_size = self.block_size
+        width = -(-max(seq_lens) // block_size)
+        table_rows = []
+        for blocks, seq_len in zip(block_tables, seq_lens, strict=True):
+            needed = -(-seq_len // block_size)
+            table_rows.append(blocks[:needed] + [0] * (width - needed))
+        table = torch.tensor(table_rows, dtype=torch.int32)
+        inputs = DecodeInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=table,
+        )
+        padded = pad_decode_inputs(inputs, bucket)
+        return {
+            name: getattr(padded, name).to(self.device, non_blocking=True)
+            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+        }
 
     def _stage_peer(self, stage_offset: int) -> int:
         """Global rank of the same tensor-parallel rank in a neighbouring pipeline stage."""

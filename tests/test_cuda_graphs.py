@@ -108,9 +108,12 @@ def test_copy_into_static() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
-def test_runner_needs_cuda() -> None:
+def test_runner_capture_needs_cuda_and_runs_eagerly_without_it() -> None:
+    runner = CudaGraphRunner(lambda x: x * 2, lambda bucket: {"x": torch.zeros(bucket)}, [1, 2])
     with pytest.raises(RuntimeError, match="CUDA"):
-        CudaGraphRunner(lambda x: x, lambda bucket: {"x": torch.zeros(bucket)}, [1, 2])
+        runner.capture()
+    assert runner.run({"x": torch.ones(2)}, 2).tolist() == [2.0, 2.0]
+    assert (runner.num_eager_runs, runner.num_replays) == (1, 0)
 
 
 @needs_cuda
@@ -186,3 +189,107 @@ def test_triton_decode_step_in_a_graph_matches_eager_torch() -> None:
     actual = runner.run(inputs, 4)[:3].clone()
     torch.testing.assert_close(actual.float(), expected.float(), atol=3e-2, rtol=3e-2)
     assert torch.equal(kv_cache, reference_cache)
+
+
+def _greedy_tokens(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from executor import SamplingParams
+
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [result.outputs[0].token_ids for result in results]
+
+
+# Lengths straddle the 16-token block size; 7 prompts under max_num_seqs=5 make decode batches of many sizes.
+GRAPH_PROMPTS = [[1, *range(100 + i, 100 + i + length)] for i, length in enumerate([3, 14, 15, 16, 30, 1, 47])]
+
+
+def test_padded_decode_path_gives_the_eager_engines_tokens() -> None:
+    """cuda_graphs=padded runs every decode step through the graph path (bucket padding, block tables cut,
+    metadata from device tensors) without capture, so the CPU checks what the GPU would replay."""
+    from executor import LLM
+
+    outputs, runners = {}, {}
+    for mode in ("auto", "padded"):
+        llm = LLM(
+            model="tiny-random-llama",
+            device="cpu",
+            num_kv_blocks=96,
+            max_num_seqs=5,
+            cuda_graphs=mode,
+            cuda_graph_max_batch_size=8,
+            show_progress=False,
+        )
+        outputs[mode] = _greedy_tokens(llm, GRAPH_PROMPTS, max_tokens=24)
+        runners[mode] = llm.engine.core.executor.worker.runner
+    assert outputs["padded"] == outputs["auto"]
+    assert all(len(tokens) == 24 for tokens in outputs["auto"])
+    assert runners["auto"].decode_graphs is None  # auto on CPU: eager, no padding
+    graphs = runners["padded"].decode_graphs
+    assert graphs.buckets == [1, 2, 4, 5] and not graphs.graphs  # capped at max_num_seqs; nothing captured on CPU
+    assert graphs.num_eager_runs >= 20 and graphs.num_replays == 0
+
+
+def test_decode_batches_above_the_largest_bucket_stay_eager() -> None:
+    from executor import LLM
+
+    llm = LLM(
+        model="tiny-random-llama",
+        device="cpu",
+        num_kv_blocks=96,
+        cuda_graphs="padded",
+        cuda_graph_max_batch_size=2,
+        show_progress=False,
+    )
+    reference = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=96, cuda_graphs="off", show_progress=False)
+    prompts = GRAPH_PROMPTS[:4]
+    assert _greedy_tokens(llm, prompts, 6) == _greedy_tokens(reference, prompts, 6)
+    # Four running decodes exceed bucket 2: those steps ran the ordinary path, so no padded run happened.
+    assert llm.engine.core.executor.worker.runner.decode_graphs.num_eager_runs == 0
+
+
+def test_decode_metadata_from_tensors_matches_the_list_built_one_on_torch_backend() -> None:
+    generator = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 16, 16
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window=20)
+    batch = AttentionBatch([1, 1, 1], [5, 17, 40], [[3], [1, 2], [4, 0, 5]], [52, 32, 5 * 16 + 7], num_decodes=3)
+    query = torch.randn(3, num_heads, head_dim, generator=generator)
+    key = torch.randn(3, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(3, num_kv_heads, head_dim, generator=generator)
+    kv_cache = torch.randn(2, 6, block_size, num_kv_heads, head_dim, generator=generator)
+    graph_cache = kv_cache.clone()
+    expected = backend.forward(query, key, value, kv_cache, backend.build_metadata(batch, block_size, kv_cache.device))
+    tables = torch.tensor([[3, 0, 0], [1, 2, 0], [4, 0, 5]], dtype=torch.int32)
+    metadata = backend.build_decode_metadata(
+        torch.tensor(batch.seq_lens, dtype=torch.int32),
+        tables,
+        torch.tensor(batch.slot_mapping, dtype=torch.int32),
+        block_size,
+    )
+    torch.testing.assert_close(backend.forward(query, key, value, graph_cache, metadata), expected)
+    assert torch.equal(graph_cache, kv_cache)
+
+
+@needs_cuda
+def test_engine_replays_captured_decode_graphs_with_eager_tokens() -> None:
+    from cuda_ext.kernels import unified_attention
+    from executor import LLM
+
+    if unified_attention.INTERPRETED:
+        pytest.skip("this process interprets Triton kernels (TRITON_INTERPRET=1); a graph needs compiled ones")
+    outputs, runners = {}, {}
+    for mode in ("off", "auto"):
+        llm = LLM(
+            model="tiny-random-llama",
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=96,
+            max_num_seqs=5,
+            cuda_graphs=mode,
+            cuda_graph_max_batch_size=8,
+            show_progress=False,
+        )
+        outputs[mode] = _greedy_tokens(llm, GRAPH_PROMPTS, max_tokens=24)
+        runners[mode] = llm.engine.core.executor.worker.runner
+    assert outputs["auto"] == outputs["off"]
+    graphs = runners["auto"].decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 5]
+    assert graphs.num_replays >= 20 and graphs.num_eager_runs == 0

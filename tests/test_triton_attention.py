@@ -370,14 +370,23 @@ def test_engine_greedy_output_matches_torch_backend() -> None:
         [1, 5],
     ]
     outputs = {}
-    for backend in ("torch", "triton"):
+    # "padded" sends decode steps through the CUDA-graph path (bucket padding, metadata from device tensors).
+    for backend, cuda_graphs in (("torch", "off"), ("triton", "off"), ("triton", "padded")):
         llm = LLM(
-            model="tiny-random-llama", attention_backend=backend, device="cpu", num_kv_blocks=64, show_progress=False
+            model="tiny-random-llama",
+            attention_backend=backend,
+            device="cpu",
+            num_kv_blocks=64,
+            cuda_graphs=cuda_graphs,
+            show_progress=False,
         )
         results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        outputs[backend] = [result.outputs[0].token_ids for result in results]
-    assert outputs["triton"] == outputs["torch"]
-    assert all(len(tokens) == 8 for tokens in outputs["torch"])
+        outputs[backend, cuda_graphs] = [result.outputs[0].token_ids for result in results]
+        if cuda_graphs == "padded":
+            assert llm.engine.core.executor.worker.runner.decode_graphs.num_eager_runs >= 7
+    assert outputs["triton", "off"] == outputs["torch", "off"]
+    assert outputs["triton", "padded"] == outputs["torch", "off"]
+    assert all(len(tokens) == 8 for tokens in outputs["torch", "off"])
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the interpreter tests already ran in this process")

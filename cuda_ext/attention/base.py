@@ -34,6 +34,8 @@ class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends over it, for a flat batch of mixed requests."""
 
     name: str
+    supports_cuda_graphs: bool = False
+    """Whether a decode step's write and attention can be captured (no host sync, no data-dependent shapes)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         self.num_heads = num_heads
@@ -51,6 +53,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> Any:
         """Turn the plain batch into this backend's tensors, once per step (shared by all layers)."""
+
+    @abstractmethod
+    def build_decode_metadata(
+        self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    ) -> Any:
+        """Metadata of a decode-only batch (one query token per request) from device tensors alone.
+
+        seq_lens [requests], block_tables [requests, max_blocks] and slot_mapping [requests] are int32. Nothing
+        is read back to the host, so a CUDA graph can capture it with the forward pass and replay it.
+        """
 
     @abstractmethod
     def forward(

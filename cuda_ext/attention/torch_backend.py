@@ -56,6 +56,22 @@ class TorchAttentionBackend(AttentionBackend):
         has_padding = bool(batch.slot_mapping) and min(batch.slot_mapping) < 0
         return TorchAttentionMetadata(slot_mapping, has_padding, groups)
 
+    def build_decode_metadata(
+        self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    ) -> TorchAttentionMetadata:
+        num_seqs, max_blocks = block_tables.shape
+        key_positions = torch.arange(max_blocks * block_size, device=seq_lens.device)
+        query_positions = (seq_lens.to(torch.int64) - 1)[:, None]
+        allowed = key_positions[None, :] <= query_positions
+        if self.sliding_window is not None:
+            allowed &= key_positions[None, :] > query_positions - self.sliding_window
+        attn_bias = torch.zeros(allowed.shape, dtype=torch.float32, device=seq_lens.device)
+        attn_bias = attn_bias.masked_fill_(~allowed, float("-inf")).view(num_seqs, 1, 1, -1)
+        gathered_block_ids = block_tables.to(torch.int64).flatten()
+        group = PaddedGroup(0, num_seqs, num_seqs, 1, gathered_block_ids, attn_bias, None, None)
+        # Padding rows carry slot -1, so the write always filters.
+        return TorchAttentionMetadata(slot_mapping.to(torch.int64), True, [group])
+
     def _build_group(
         self, batch: AttentionBatch, first: int, last: int, token_start: int, block_size: int, device: torch.device
     ) -> PaddedGroup:

@@ -52,10 +52,44 @@ def check_triton_device(device: torch.device) -> None:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
         self.tile_config: TileConfig = make_tile_config(num_heads, num_kv_heads, head_dim)
+        self._decode_tile_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def build_decode_metadata(
+        self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    ) -> TritonAttentionMetadata:
+        check_triton_device(seq_lens.device)
+        num_seqs, max_blocks = block_tables.shape
+        query_start_loc, tile_request, tile_q_start = self._decode_tiles(num_seqs, seq_lens.device)
+        return TritonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            slot_mapping=slot_mapping,
+            tile_request=tile_request,
+            tile_q_start=tile_q_start,
+            block_tables=block_tables,
+            num_small_tiles=num_seqs,
+            num_tokens=num_seqs,
+            max_query_len=1,
+            max_seq_len=max_blocks * block_size,  # an upper bound: the kernel reads each request's own seq_len
+        )
+
+    def _decode_tiles(self, num_seqs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode batch's fixed tile plan (one small tile per request), made once per size and device.
+
+        Cached so a CUDA graph replays with the tensors its warm-up created, never allocating inside capture.
+        """
+        key = (num_seqs, str(device))
+        tiles = self._decode_tile_cache.get(key)
+        if tiles is None:
+            arange = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+            tiles = (arange, arange[:num_seqs], torch.zeros(num_seqs, dtype=torch.int32, device=device))
+            self._decode_tile_cache[key] = tiles
+        return tiles
 
     def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> TritonAttentionMetadata:
         check_triton_device(device)
