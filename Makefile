@@ -19,6 +19,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 setup: $(VENV)/.installed
 	$(BIN)/pagedserve fetch-model $(MODEL)
+	$(BIN)/python -m cuda_ext.cpu_ops
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

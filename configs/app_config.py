@@ -46,7 +46,7 @@ class ParallelSection(Section):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs per model worker.")
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker; default cores / workers.")
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     cuda_graphs: Literal["auto", "off", "padded"] = Field("auto", description="Decode CUDA graphs (see EngineConfig).")
     cuda_graph_max_batch_size: int = Field(256, ge=1, description="Largest decode batch captured as a graph.")
 

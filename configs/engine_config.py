@@ -42,8 +42,8 @@ class EngineConfig(BaseModel):
         "STRICT_PACK", description="Ray placement-group strategy for the worker bundles (one bundle per worker)."
     )
     worker_num_cpus: float = Field(1.0, gt=0, description="Logical Ray CPUs each worker's bundle reserves.")
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: Triton paged attention on CUDA, the torch backend on CPU."
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field(
+        "auto", description="auto: Triton paged attention on CUDA; on CPU our C++ kernels (cpu), else torch."
     )
     cuda_graphs: Literal["auto", "off", "padded"] = Field(
         "auto",

@@ -318,7 +318,7 @@ def test_metadata_is_packed_and_padded() -> None:
 
 
 def test_registry_picks_triton_on_cuda_and_torch_on_cpu() -> None:
-    assert get_attention_backend("auto", CPU, 4, 2, 16).name == "torch"
+    assert get_attention_backend("auto", CPU, 4, 2, 16).name in ("cpu", "torch")  # cpu where the C++ kernels built
     assert get_attention_backend("auto", torch.device("cuda"), 4, 2, 16).name == "triton"
     assert get_attention_backend("torch", torch.device("cuda"), 4, 2, 16).name == "torch"
     with pytest.raises(ValueError, match="triton"):
@@ -326,11 +326,11 @@ def test_registry_picks_triton_on_cuda_and_torch_on_cpu() -> None:
 
 
 def test_cpu_use_never_imports_triton() -> None:
-    """In a fresh process without the interpreter: auto on CPU stays torch-only; triton on CPU says why not."""
+    """In a fresh process without the interpreter: auto on CPU never imports triton; triton on CPU says why not."""
     script = (
         "import sys, torch\n"
         "from cuda_ext.attention import get_attention_backend\n"
-        "assert get_attention_backend('auto', torch.device('cpu'), 4, 2, 16).name == 'torch'\n"
+        "assert get_attention_backend('auto', torch.device('cpu'), 4, 2, 16).name in ('cpu', 'torch')\n"
         "assert 'triton' not in sys.modules\n"
         "try:\n"
         "    get_attention_backend('triton', torch.device('cpu'), 4, 2, 16)\n"

@@ -11,7 +11,10 @@ from cuda_ext.attention.torch_backend import TorchAttentionBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
 # Imported on first use, so CPU-only runs never import triton or need a CUDA toolchain.
-LAZY_BACKENDS: dict[str, str] = {"triton": "cuda_ext.attention.triton_backend:TritonAttentionBackend"}
+LAZY_BACKENDS: dict[str, str] = {
+    "triton": "cuda_ext.attention.triton_backend:TritonAttentionBackend",
+    "cpu": "cuda_ext.attention.cpu_backend:CpuAttentionBackend",
+}
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
@@ -33,12 +36,18 @@ def get_attention_backend(
     head_dim: int,
     sliding_window: int | None = None,
 ) -> AttentionBackend:
-    """`name` is a registered backend or "auto": Triton on CUDA, the torch backend elsewhere.
+    """`name` is a registered backend or "auto": Triton on CUDA; on CPU our C++ kernels ("cpu"), or the pure
+    torch backend where they cannot be built.
 
     "triton" on a CPU device only works with TRITON_INTERPRET=1 set before triton is imported (tests).
     """
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else TorchAttentionBackend.name
+        if torch.device(device).type == "cuda":
+            name = "triton"
+        else:
+            from cuda_ext.cpu_ops import load_cpu_ops
+
+            name = "cpu" if load_cpu_ops() is not None else TorchAttentionBackend.name
     cls = backend_class(name)
     if name == "triton":
         from cuda_ext.attention.triton_backend import check_triton_device

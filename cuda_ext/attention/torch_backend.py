@@ -139,6 +139,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         self.write_kv_cache(key, value, kv_cache, metadata)
+        query = query.contiguous()  # the padded groups view it
         output = torch.empty(query.shape[0], self.num_heads * self.head_dim, dtype=query.dtype, device=query.device)
         for group in metadata.groups:
             output[group.token_start : group.token_end] = self._attend_group(

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cuda_ext.fused_ops import apply_rotary
+
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.x long-context frequency scaling: slow down low frequencies, keep high ones, blend between."""
@@ -53,12 +55,4 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, query: torch.Tensor, key: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
         """query: [tokens, heads, head_dim], key: [tokens, kv_heads, head_dim]; rotated in place."""
-        cos, sin = cos_sin
-        half = self.head_dim // 2
-        for x in (query, key):
-            x1, x2 = x[..., :half], x[..., half:]
-            x1_float, x2_float = x1.float(), x2.float()
-            rotated_first = x1_float * cos - x2_float * sin
-            rotated_second = x2_float * cos + x1_float * sin
-            x1.copy_(rotated_first)
-            x2.copy_(rotated_second)
+        apply_rotary(query, key, *cos_sin)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from cuda_ext.attention import AttentionBackend, get_attention_backend
+from cuda_ext.fused_ops import silu_and_mul
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
@@ -68,7 +69,7 @@ class LlamaAttention(nn.Module):
         query = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         key = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         value = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        query, key = query.contiguous(), key.contiguous()
+        # Rotated in place inside qkv; each backend copies to contiguous only what its kernels need.
         step.rotary.apply(query, key, step.cos_sin)
         attended = self.attn.forward(query, key, value, kv_cache, step.attn_metadata)
         return self.o_proj(attended)
@@ -88,8 +89,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        half = gate_up.shape[-1] // 2
-        return self.down_proj(nn.functional.silu(gate_up[:, :half]) * gate_up[:, half:])
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,407 @@
+// pagedserve's CPU kernels: paged decode attention that reads KV blocks in place, the KV-cache write, and the
+// fused per-layer elementwise ops (residual add + RMSNorm, rotary embedding, SiLU-and-mul). Each replaces
+// several torch ops (and as many passes over memory) with one; every one has a torch reference in Python.
+// fp32 takes a 16-lane vector path (one AVX-512 register, two AVX2 ones); other dtypes a scalar one.
+#include <torch/extension.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float Lanes __attribute__((vector_size(64)));
+typedef int32_t IntLanes __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline Lanes load_lanes(const float* source) {
+  Lanes lanes;
+  std::memcpy(&lanes, source, sizeof(lanes));
+  return lanes;
+}
+
+inline void store_lanes(float* target, Lanes lanes) {
+  std::memcpy(target, &lanes, sizeof(lanes));
+}
+
+inline Lanes broadcast(float value) {
+  return Lanes{} + value;
+}
+
+inline float sum_lanes(Lanes lanes) {
+  float total = 0.f;
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    total += lanes[lane];
+  }
+  return total;
+}
+
+// exp(x) = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2; e^r by its degree-6 Taylor polynomial
+// (relative error below 2e-7). Inputs are clamped to the range where the result is a normal float.
+inline Lanes exp_lanes(Lanes x) {
+  const Lanes low = broadcast(-87.0f), high = broadcast(88.0f);
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const Lanes scaled = x * 1.44269504088896341f;
+  const IntLanes k = __builtin_convertvector(scaled + (scaled >= 0.f ? broadcast(0.5f) : broadcast(-0.5f)), IntLanes);
+  const Lanes kf = __builtin_convertvector(k, Lanes);
+  const Lanes r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+  Lanes p = broadcast(1.f / 720.f);
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const IntLanes bits = (k + 127) << 23;
+  Lanes two_to_k;
+  std::memcpy(&two_to_k, &bits, sizeof(two_to_k));
+  return p * two_to_k;
+}
+
+template <typename scalar_t>
+inline float dot_row(const float* query, const scalar_t* key, int64_t head_dim) {
+  float dot = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    dot += query[d] * static_cast<float>(key[d]);
+  }
+  return dot;
+}
+
+template <>
+inline float dot_row<float>(const float* query, const float* key, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dot += query[d] * key[d];
+    }
+    return dot;
+  }
+  Lanes sum = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    sum += load_lanes(query + d) * load_lanes(key + d);
+  }
+  return sum_lanes(sum);
+}
+
+template <typename scalar_t>
+inline void add_scaled_row(float* accumulator, float weight, const scalar_t* value, int64_t head_dim) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    accumulator[d] += weight * static_cast<float>(value[d]);
+  }
+}
+
+template <>
+inline void add_scaled_row<float>(float* accumulator, float weight, const float* value, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      accumulator[d] += weight * value[d];
+    }
+    return;
+  }
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    store_lanes(accumulator + d, load_lanes(accumulator + d) + weight * load_lanes(value + d));
+  }
+}
+
+// row[i] = exp(row[i] - max); returns the sum.
+inline float exp_and_sum(float* row, int64_t count, float max) {
+  float total = 0.f;
+  int64_t i = 0;
+  Lanes sum = {};
+  for (; i + kLanes <= count; i += kLanes) {
+    const Lanes values = exp_lanes(load_lanes(row + i) - max);
+    store_lanes(row + i, values);
+    sum += values;
+  }
+  total = sum_lanes(sum);
+  for (; i < count; ++i) {
+    row[i] = std::exp(row[i] - max);
+    total += row[i];
+  }
+  return total;
+}
+
+constexpr int64_t kMaxHeadDim = 512;
+
+template <typename scalar_t>
+void decode_attention_kernel(
+    const scalar_t* query,
+    const scalar_t* key_cache,
+    const scalar_t* value_cache,
+    scalar_t* output,
+    const int32_t* block_tables,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t block_size,
+    int64_t max_blocks,
+    int64_t query_stride,
+    int64_t output_stride,
+    int64_t cache_block_stride,
+    int64_t cache_token_stride,
+    float scale,
+    int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads;
+  // One work item per request. Head by head, so a head's query and accumulator stay in registers; the
+  // request's keys and values come from memory for the first head and from L2 for the others.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float scaled_query[kMaxHeadDim];
+    alignas(64) float accumulator[kMaxHeadDim];
+    std::vector<float> scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t seq_len = seq_lens[seq];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const int64_t num_keys = seq_len - first;
+      const int32_t* table = block_tables + seq * max_blocks;
+      scores.resize(num_keys);
+      for (int64_t head = 0; head < num_heads; ++head) {
+        const int64_t kv_offset = (head / group) * head_dim;
+        const scalar_t* head_query = query + seq * query_stride + head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          scaled_query[d] = static_cast<float>(head_query[d]) * scale;
+        }
+        float max_score = -std::numeric_limits<float>::infinity();
+        // Walk block by block: no integer division per key.
+        for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
+          const int64_t offset = key == 0 ? first % block_size : 0;
+          const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+          const scalar_t* key_row =
+              key_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
+          for (int64_t i = 0; i < count; ++i, ++key, key_row += cache_token_stride) {
+            const float dot = dot_row<scalar_t>(scaled_query, key_row, head_dim);
+            scores[key] = dot;
+            max_score = std::max(max_score, dot);
+          }
+        }
+        const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
+        std::fill(accumulator, accumulator + head_dim, 0.f);
+        for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
+          const int64_t offset = key == 0 ? first % block_size : 0;
+          const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+          const scalar_t* value_row =
+              value_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
+          for (int64_t i = 0; i < count; ++i, ++key, value_row += cache_token_stride) {
+            add_scaled_row<scalar_t>(accumulator, scores[key], value_row, head_dim);
+          }
+        }
+        scalar_t* head_output = output + seq * output_stride + head * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          head_output[d] = static_cast<scalar_t>(accumulator[d] * inverse_sum);
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+inline void silu_and_mul_row(scalar_t* out, const scalar_t* gate, const scalar_t* up, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+  }
+}
+
+template <>
+inline void silu_and_mul_row<float>(float* out, const float* gate, const float* up, int64_t count) {
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    const Lanes g = load_lanes(gate + i);
+    store_lanes(out + i, g / (1.f + exp_lanes(-g)) * load_lanes(up + i));
+  }
+  for (; i < count; ++i) {
+    out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
+}
+
+void check_rows(const torch::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(tensor.stride(-1) == 1, name, " must have contiguous rows");
+}
+
+}  // namespace
+
+// query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
+// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none.
+void paged_decode_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window) {
+  check_rows(query, "query");
+  check_rows(output, "output");
+  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [seqs, heads, dim]");
+  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "cache and query dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per seq");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_kernel<scalar_t>(
+        query.data_ptr<scalar_t>(),
+        key_cache.data_ptr<scalar_t>(),
+        value_cache.data_ptr<scalar_t>(),
+        output.data_ptr<scalar_t>(),
+        block_tables.data_ptr<int32_t>(),
+        seq_lens.data_ptr<int32_t>(),
+        num_seqs,
+        query.size(1),
+        key_cache.size(2),
+        query.size(2),
+        key_cache.size(1),
+        block_tables.size(1),
+        query.stride(0),
+        output.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        static_cast<float>(scale),
+        sliding_window);
+  });
+}
+
+// key/value [tokens, kv_heads, head_dim] into caches [blocks, block_size, kv_heads, head_dim] at flat slots;
+// slot -1 (a padding row) is skipped.
+void reshape_and_cache(
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    torch::Tensor& key_cache,
+    torch::Tensor& value_cache,
+    const torch::Tensor& slot_mapping) {
+  check_rows(key, "key");
+  check_rows(value, "value");
+  TORCH_CHECK(key.stride(1) == key.size(2) && value.stride(1) == value.size(2), "kv heads must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() || key_cache.stride(1) == key.size(1) * key.size(2), "cache layout");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key and cache dtypes differ");
+  const int64_t num_tokens = key.size(0);
+  const int64_t row = key.size(1) * key.size(2);
+  const int64_t token_stride = key_cache.stride(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
+    const scalar_t* key_data = key.data_ptr<scalar_t>();
+    const scalar_t* value_data = value.data_ptr<scalar_t>();
+    scalar_t* key_cache_data = key_cache.data_ptr<scalar_t>();
+    scalar_t* value_cache_data = value_cache.data_ptr<scalar_t>();
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      const int64_t slot = slots[token];
+      if (slot < 0) {
+        continue;
+      }
+      TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
+      std::memcpy(key_cache_data + slot * token_stride, key_data + token * key.stride(0), row * sizeof(scalar_t));
+      std::memcpy(
+          value_cache_data + slot * token_stride, value_data + token * value.stride(0), row * sizeof(scalar_t));
+    }
+  });
+}
+
+// In place: residual += x; x = weight * residual / rms(residual). Rows of `hidden` floats, fp32 math.
+void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [tokens, hidden]");
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(1), "weight must be [hidden]");
+  const int64_t hidden = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* x_data = x.data_ptr<scalar_t>();
+    scalar_t* residual_data = residual.data_ptr<scalar_t>();
+    const scalar_t* weight_data = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t token = begin; token < end; ++token) {
+        scalar_t* x_row = x_data + token * x.stride(0);
+        scalar_t* residual_row = residual_data + token * residual.stride(0);
+        float squares = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float sum = static_cast<float>(x_row[i]) + static_cast<float>(residual_row[i]);
+          residual_row[i] = static_cast<scalar_t>(sum);
+          const float stored = static_cast<float>(residual_row[i]);
+          squares += stored * stored;
+        }
+        const float inverse_rms = 1.f / std::sqrt(squares / hidden + static_cast<float>(eps));
+        for (int64_t i = 0; i < hidden; ++i) {
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(residual_row[i]) * inverse_rms);
+          x_row[i] = static_cast<scalar_t>(static_cast<float>(weight_data[i]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+}
+
+// query [tokens, heads, head_dim], key [tokens, kv_heads, head_dim], rotated in place (NeoX halves) by
+// cos/sin [tokens, ..., head_dim / 2] fp32 rows.
+void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_rows(query, "query");
+  check_rows(key, "key");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "cos/sin fp32");
+  TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.strides() == sin.strides(), "cos/sin rows");
+  const int64_t num_tokens = query.size(0);
+  const int64_t head_dim = query.size(2);
+  const int64_t half = head_dim / 2;
+  TORCH_CHECK(cos.size(0) == num_tokens && cos.size(-1) == half, "cos/sin must be [tokens, head_dim / 2]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
+    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t token = begin; token < end; ++token) {
+        const float* cos_row = cos.data_ptr<float>() + token * cos.stride(0);
+        const float* sin_row = sin.data_ptr<float>() + token * sin.stride(0);
+        for (torch::Tensor* tensor : {&query, &key}) {
+          scalar_t* rows = tensor->data_ptr<scalar_t>() + token * tensor->stride(0);
+          for (int64_t head = 0; head < tensor->size(1); ++head) {
+            scalar_t* first = rows + head * tensor->stride(1);
+            scalar_t* second = first + half;
+            for (int64_t i = 0; i < half; ++i) {
+              const float x1 = static_cast<float>(first[i]);
+              const float x2 = static_cast<float>(second[i]);
+              first[i] = static_cast<scalar_t>(x1 * cos_row[i] - x2 * sin_row[i]);
+              second[i] = static_cast<scalar_t>(x2 * cos_row[i] + x1 * sin_row[i]);
+            }
+          }
+        }
+      }
+    });
+  });
+}
+
+// out [tokens, inter] = silu(x[:, :inter]) * x[:, inter:], x [tokens, 2 * inter].
+void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t inter = out.size(1);
+  TORCH_CHECK(x.size(1) == 2 * inter && x.size(0) == out.size(0), "x must be [tokens, 2 * out columns]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* x_data = x.data_ptr<scalar_t>();
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t token = begin; token < end; ++token) {
+        const scalar_t* gate = x_data + token * x.stride(0);
+        const scalar_t* up = gate + inter;
+        scalar_t* out_row = out_data + token * out.stride(0);
+        silu_and_mul_row<scalar_t>(out_row, gate, up, inter);
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention over the KV cache");
+  module.def("reshape_and_cache", &reshape_and_cache, "Write new keys and values into the paged cache");
+  module.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
+  module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
+  module.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
+}

@@ -1,0 +1,197 @@
+"""Our C++ CPU kernels against their torch references: paged decode attention, KV write, fused layer ops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cuda_ext import fused_ops
+from cuda_ext.attention import get_attention_backend
+from cuda_ext.attention.base import AttentionBatch
+from cuda_ext.attention.cpu_backend import CpuAttentionBackend
+from cuda_ext.attention.torch_backend import TorchAttentionBackend
+from cuda_ext.cpu_ops import load_cpu_ops
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+
+
+def random_decode_case(
+    generator: torch.Generator,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+):
+    """A decode batch over shuffled, non-contiguous blocks, with spare blocks at the end of some tables."""
+    tables_needed = [-(-seq_len // block_size) + 1 for seq_len in seq_lens]
+    num_blocks = sum(tables_needed) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables, start = [], 0
+    for needed in tables_needed:
+        block_tables.append(order[start : start + needed])
+        start += needed
+    slot_mapping = [
+        table[(seq_len - 1) // block_size] * block_size + (seq_len - 1) % block_size
+        for table, seq_len in zip(block_tables, seq_lens, strict=True)
+    ]
+    batch = AttentionBatch([1] * len(seq_lens), seq_lens, block_tables, slot_mapping, len(seq_lens))
+    shape = (len(seq_lens),)
+    query = torch.randn(*shape, num_heads, head_dim, generator=generator).to(dtype)
+    key = torch.randn(*shape, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value = torch.randn(*shape, num_kv_heads, head_dim, generator=generator).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    return batch, query, key, value, kv_cache
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window", "dtype"),
+    [
+        (4, 4, 64, 16, None, torch.float32),
+        (9, 3, 64, 16, None, torch.float32),
+        (8, 2, 128, 32, None, torch.float32),
+        (6, 2, 40, 16, None, torch.float32),  # head_dim not a multiple of the 16 vector lanes
+        (8, 2, 64, 16, 20, torch.float32),
+        (4, 1, 64, 16, None, torch.bfloat16),
+    ],
+)
+def test_decode_attention_matches_torch_backend(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int | None, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 100]
+    batch, query, key, value, kv_cache = random_decode_case(
+        generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    reference = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    ours = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    reference_cache, our_cache = kv_cache.clone(), kv_cache.clone()
+    expected = reference.forward(query, key, value, reference_cache, reference.build_metadata(batch, block_size, CPU))
+    actual = ours.forward(query, key, value, our_cache, ours.build_metadata(batch, block_size, CPU))
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(our_cache, reference_cache)  # the new keys and values landed in the same slots
+
+
+def test_mixed_batch_and_padding_rows_match_torch_backend() -> None:
+    """Decodes plus prefill chunks in one step, and padding rows (slot -1) that must write nothing."""
+    generator = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    query_lens, seq_lens = [1, 1, 5, 20], [9, 33, 5, 37]
+    block_tables = [[3], [4, 5, 6], [7], [8, 9, 10]]
+    slot_mapping = [
+        table[pos // block_size] * block_size + pos % block_size
+        for table, query_len, seq_len in zip(block_tables, query_lens, seq_lens, strict=True)
+        for pos in range(seq_len - query_len, seq_len)
+    ]
+    decodes_first = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes=2)
+    num_tokens = sum(decodes_first.query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
+    kv_cache = torch.randn(2, 12, block_size, num_kv_heads, head_dim, generator=generator)
+    reference, ours = (
+        TorchAttentionBackend(num_heads, num_kv_heads, head_dim),
+        CpuAttentionBackend(num_heads, num_kv_heads, head_dim),
+    )
+    reference_cache, our_cache = kv_cache.clone(), kv_cache.clone()
+    expected = reference.forward(
+        query, key, value, reference_cache, reference.build_metadata(decodes_first, block_size, CPU)
+    )
+    actual = ours.forward(query, key, value, our_cache, ours.build_metadata(decodes_first, block_size, CPU))
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(our_cache, reference_cache)
+    # A padded decode step (the CUDA-graph layout) writes nothing for slot -1 and leaves real rows alone.
+    padded = ours.build_decode_metadata(
+        torch.tensor([9, 1], dtype=torch.int32),
+        torch.tensor([[3, 0, 0], [0, 0, 0]], dtype=torch.int32),
+        torch.tensor([3 * 16 + 8, -1], dtype=torch.int32),
+        block_size,
+    )
+    before = our_cache.clone()
+    new_key = torch.randn(2, num_kv_heads, head_dim, generator=generator)
+    out = ours.forward(query[:2], new_key, new_key, our_cache, padded)
+    changed = (our_cache != before).nonzero()[:, 1:3].unique(dim=0).tolist()
+    assert changed == [[3, 8]]  # only block 3, offset 8: the real row's slot
+    assert torch.isfinite(out).all()
+
+
+def test_kv_write_rejects_a_slot_outside_the_cache() -> None:
+    ops = load_cpu_ops()
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    key = torch.ones(1, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.reshape_and_cache(key, key, cache[0], cache[1], torch.tensor([8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 576, generator=generator).to(dtype)
+    residual = torch.randn(37, 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    summed = x + residual
+    expected = fused_ops.rms_norm_reference(summed, weight, 1e-5)
+    out, new_residual = fused_ops.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    torch.testing.assert_close(new_residual, summed, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_rotary_on_strided_views_matches_reference() -> None:
+    """Query and key are views into the fused qkv rows, rotated in place without a contiguous copy."""
+    generator = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, head_dim = 11, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=generator) * 100
+    cos, sin = angles.cos(), angles.sin()
+    expected = qkv.clone()
+    q_ref = expected[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k_ref = expected[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    fused_ops.rotary_reference(q_ref, k_ref, cos, sin, head_dim // 2)
+    query = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    fused_ops.apply_rotary(query, key, cos, sin)
+    torch.testing.assert_close(qkv, expected, atol=1e-5, rtol=1e-5)  # values (the last third) untouched too
+
+
+def test_silu_and_mul_matches_torch_including_extremes() -> None:
+    generator = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(9, 2 * 1537, generator=generator) * 8  # 1537: a scalar tail after the vector lanes
+    gate_up[0, :6] = torch.tensor([-200.0, -90.0, -20.0, 0.0, 90.0, 200.0])
+    expected = torch.nn.functional.silu(gate_up[:, :1537]) * gate_up[:, 1537:]
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_greedy_tokens_equal_with_cpu_and_torch_backends() -> None:
+    from executor import LLM, SamplingParams
+
+    prompts = [[1, *range(200 + i, 200 + i + length)] for i, length in enumerate([2, 15, 16, 17, 40])]
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(
+            model="tiny-random-llama", attention_backend=backend, device="cpu", num_kv_blocks=64, show_progress=False
+        )
+        results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+        outputs[backend] = [result.outputs[0].token_ids for result in results]
+    assert outputs["cpu"] == outputs["torch"]
+
+
+def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
+    assert get_attention_backend("auto", CPU, 4, 2, 16).name == "cpu"
+    script = (
+        "import torch\n"
+        "from cuda_ext.attention import get_attention_backend\n"
+        "from cuda_ext import fused_ops\n"
+        "assert get_attention_backend('auto', torch.device('cpu'), 4, 2, 16).name == 'torch'\n"
+        "x = torch.randn(2, 8)\n"
+        "out = fused_ops.silu_and_mul(x)\n"
+        "assert torch.allclose(out, torch.nn.functional.silu(x[:, :4]) * x[:, 4:])\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_DISABLE_CPU_KERNELS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
