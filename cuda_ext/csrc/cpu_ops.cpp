@@ -18,6 +18,13 @@ namespace {
 typedef float Lanes __attribute__((vector_size(64)));
 typedef int32_t IntLanes __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
+// Fewer elements than this per chunk run on one thread: waking the pool costs more than the work, and on a
+// busy machine a descheduled pool thread stalls the whole region.
+constexpr int64_t kMinParallelElements = 1 << 18;
+
+inline int64_t grain_rows(int64_t elements_per_row) {
+  return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, elements_per_row));
+}
 
 inline Lanes load_lanes(const float* source) {
   Lanes lanes;
@@ -152,7 +159,8 @@ void decode_attention_kernel(
   const int64_t group = num_heads / num_kv_heads;
   // One work item per request. Head by head, so a head's query and accumulator stay in registers; the
   // request's keys and values come from memory for the first head and from L2 for the others.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  const int64_t work_per_seq = num_heads * max_blocks * block_size * head_dim * 2;
+  at::parallel_for(0, num_seqs, grain_rows(work_per_seq), [&](int64_t begin, int64_t end) {
     alignas(64) float scaled_query[kMaxHeadDim];
     alignas(64) float accumulator[kMaxHeadDim];
     std::vector<float> scores;
@@ -323,7 +331,7 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
     scalar_t* x_data = x.data_ptr<scalar_t>();
     scalar_t* residual_data = residual.data_ptr<scalar_t>();
     const scalar_t* weight_data = weight.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), grain_rows(hidden * 2), [&](int64_t begin, int64_t end) {
       for (int64_t token = begin; token < end; ++token) {
         scalar_t* x_row = x_data + token * x.stride(0);
         scalar_t* residual_row = residual_data + token * residual.stride(0);
@@ -356,7 +364,8 @@ void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Ten
   const int64_t half = head_dim / 2;
   TORCH_CHECK(cos.size(0) == num_tokens && cos.size(-1) == half, "cos/sin must be [tokens, head_dim / 2]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
-    at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    const int64_t per_token = (query.size(1) + key.size(1)) * head_dim;
+    at::parallel_for(0, num_tokens, grain_rows(per_token), [&](int64_t begin, int64_t end) {
       for (int64_t token = begin; token < end; ++token) {
         const float* cos_row = cos.data_ptr<float>() + token * cos.stride(0);
         const float* sin_row = sin.data_ptr<float>() + token * sin.stride(0);
@@ -387,7 +396,7 @@ void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* x_data = x.data_ptr<scalar_t>();
     scalar_t* out_data = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), grain_rows(inter * 4), [&](int64_t begin, int64_t end) {
       for (int64_t token = begin; token < end; ++token) {
         const scalar_t* gate = x_data + token * x.stride(0);
         const scalar_t* up = gate + inter;
