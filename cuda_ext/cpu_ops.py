@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +18,20 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
+EXTENSION_NAME = "pagedserve_cpu_ops"
+# A build takes well under this; an older lock was left by a killed build and would make every load wait forever.
+STALE_LOCK_S = 600
+
+
+def _remove_stale_build_lock(build_directory: Path) -> None:
+    lock = build_directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -29,10 +44,11 @@ def load_cpu_ops() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
+    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False)))
     try:
         # -march=native: the build runs on (and is cached for) the machine that uses it.
         return cpp_extension.load(
-            name="pagedserve_cpu_ops",
+            name=EXTENSION_NAME,
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -195,3 +195,17 @@ def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
     env = {**os.environ, "PAGEDSERVE_DISABLE_CPU_KERNELS": "1"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
+    """A build killed mid-way leaves torch's lock file behind, and every later load would wait on it forever."""
+    from cuda_ext.cpu_ops import STALE_LOCK_S, _remove_stale_build_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _remove_stale_build_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = lock.stat().st_mtime - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    _remove_stale_build_lock(tmp_path)
+    assert not lock.exists()
