@@ -229,6 +229,31 @@ inline void silu_and_mul_row<float>(float* out, const float* gate, const float* 
   }
 }
 
+// The fp32 row of fused_add_rms_norm in vector lanes; false (nothing done) for other dtypes and widths.
+template <typename scalar_t>
+inline bool add_rms_norm_row_lanes(scalar_t*, scalar_t*, const scalar_t*, int64_t, float) {
+  return false;
+}
+
+template <>
+inline bool add_rms_norm_row_lanes<float>(
+    float* x, float* residual, const float* weight, int64_t hidden, float eps) {
+  if (hidden % kLanes != 0) {
+    return false;
+  }
+  Lanes squares = {};
+  for (int64_t i = 0; i < hidden; i += kLanes) {
+    const Lanes sum = load_lanes(x + i) + load_lanes(residual + i);
+    store_lanes(residual + i, sum);
+    squares += sum * sum;
+  }
+  const float inverse_rms = 1.f / std::sqrt(sum_lanes(squares) / hidden + eps);
+  for (int64_t i = 0; i < hidden; i += kLanes) {
+    store_lanes(x + i, load_lanes(weight + i) * (load_lanes(residual + i) * inverse_rms));
+  }
+  return true;
+}
+
 void check_rows(const torch::Tensor& tensor, const char* name) {
   TORCH_CHECK(tensor.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(tensor.stride(-1) == 1, name, " must have contiguous rows");
@@ -335,6 +360,9 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
       for (int64_t token = begin; token < end; ++token) {
         scalar_t* x_row = x_data + token * x.stride(0);
         scalar_t* residual_row = residual_data + token * residual.stride(0);
+        if (add_rms_norm_row_lanes(x_row, residual_row, weight_data, hidden, static_cast<float>(eps))) {
+          continue;
+        }
         float squares = 0.f;
         for (int64_t i = 0; i < hidden; ++i) {
           const float sum = static_cast<float>(x_row[i]) + static_cast<float>(residual_row[i]);

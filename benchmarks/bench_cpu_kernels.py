@@ -1,0 +1,136 @@
+"""Our C++ CPU kernels against the pure-torch path they replace, at SmolLM2-135M's shapes, per layer of one step.
+
+    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50]
+
+Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
+whole backend call (KV write + attention) on decode batches over shuffled cache blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cuda_ext import fused_ops
+from cuda_ext.attention.base import AttentionBatch
+from cuda_ext.attention.cpu_backend import CpuAttentionBackend
+from cuda_ext.attention.torch_backend import TorchAttentionBackend
+from cuda_ext.cpu_ops import load_cpu_ops
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 9, 3, 64, 576, 1536, 16
+
+
+def time_us(fn: Callable[[], object], iterations: int) -> float:
+    for _ in range(3):
+        fn()
+    timings = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        timings.append(time.perf_counter() - start)
+    return sorted(timings)[len(timings) // 2] * 1e6
+
+
+def decode_step(batch_size: int, context: int):
+    needed = -(-context // BLOCK)
+    order = torch.randperm(batch_size * needed).tolist()
+    tables = [order[i * needed : (i + 1) * needed] for i in range(batch_size)]
+    slots = [table[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for table in tables]
+    batch = AttentionBatch([1] * batch_size, [context] * batch_size, tables, slots, batch_size)
+    query = torch.randn(batch_size, HEADS, HEAD_DIM)
+    key = torch.randn(batch_size, KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(2, batch_size * needed, BLOCK, KV_HEADS, HEAD_DIM)
+    return batch, query, key, key.clone(), kv_cache
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--iterations", type=int, default=50)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if load_cpu_ops() is None:
+        print("the C++ CPU kernels could not be built here (see the warning above)")
+        return 1
+    cpu = torch.device("cpu")
+    reference, ours = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM), CpuAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    rows = [*attention_rows(reference, ours, cpu, args.iterations), *layer_op_rows(args.iterations)]
+    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"| {'op (one layer)':<36} | {'torch us':>9} | {'C++ us':>9} | speedup |")
+    print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
+    for name, torch_us, cpp_us in rows:
+        print(f"| {name:<36} | {torch_us:>9.1f} | {cpp_us:>9.1f} | {torch_us / max(cpp_us, 1e-3):>6.2f}x |")
+    return 0
+
+
+def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:
+    rows = []
+    for batch_size, context in ((1, 128), (16, 256), (64, 150), (64, 1024)):
+        batch, query, key, value, kv_cache = decode_step(batch_size, context)
+        reference_metadata = reference.build_metadata(batch, BLOCK, cpu)
+        our_metadata = ours.build_metadata(batch, BLOCK, cpu)
+        rows.append(
+            (
+                f"decode attention {batch_size} x ctx {context}",
+                time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
+                time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
+            )
+        )
+    return rows
+
+
+def layer_op_rows(iterations: int) -> list[tuple[str, float, float]]:
+    ops = load_cpu_ops()
+    rows = []
+    for tokens in (1, 64, 512):
+        # Normalised rows and a unit weight keep the in-place op's repeated calls in range.
+        x, residual, weight = torch.randn(tokens, HIDDEN) * 0.01, torch.randn(tokens, HIDDEN), torch.ones(HIDDEN)
+        rows.append(
+            (
+                f"add + RMSNorm, {tokens} tokens",
+                time_us(partial(add_then_norm, x, residual, weight), iterations),
+                time_us(partial(ops.fused_add_rms_norm, x, residual, weight, 1e-5), iterations),
+            )
+        )
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        query = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
+        key = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+        angles = torch.rand(tokens, 1, HEAD_DIM // 2)
+        cos, sin = angles.cos(), angles.sin()
+        rows.append(
+            (
+                f"rotary, {tokens} tokens",
+                time_us(partial(fused_ops.rotary_reference, query, key, cos, sin, HEAD_DIM // 2), iterations),
+                time_us(partial(ops.rotary_embedding, query, key, cos, sin), iterations),
+            )
+        )
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE)
+        rows.append(
+            (
+                f"SiLU-and-mul, {tokens} tokens",
+                time_us(partial(torch_silu_and_mul, gate_up), iterations),
+                time_us(partial(fused_ops.silu_and_mul, gate_up), iterations),
+            )
+        )
+    return rows
+
+
+def add_then_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return fused_ops.rms_norm_reference(x + residual, weight, 1e-5)
+
+
+def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
