@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from configs.engine_config import EngineConfig
@@ -22,17 +24,51 @@ from model_executor.model_info import load_model_info
 logger = logging.getLogger(__name__)
 
 OUTPUT_POLL_TIMEOUT_S = 2.0
+# A live ingress polls at least every OUTPUT_POLL_TIMEOUT_S while it has requests here; one silent this long is gone.
+CLIENT_LEASE_S = 30.0
+# How long an abort that arrived before its request is remembered (Ray may run an async actor's calls out of order).
+EARLY_ABORT_MEMORY_S = 120.0
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down: new requests are refused while the ones in flight finish."""
+
+
+def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    """A task that outlives the Ray call that starts it.
+
+    A task created inside an actor call inherits that call's Ray task id through contextvars, and Ray cancels a
+    cancelled call's children recursively: a client that disconnects while its call starts the step loop (or an
+    output pump, or an abort) would otherwise cancel the model workers' step under everyone.
+    """
+    return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class EngineActor:
     """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0):
+    def __init__(self, config: EngineConfig, engine_index: int = 0, client_lease_s: float = CLIENT_LEASE_S):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config
         self.engine_index = engine_index
+        self.client_lease_s = client_lease_s
+        self.client_seen: dict[str, float] = {}
+        self.reaper_task: asyncio.Task | None = None
+        self.early_aborts: dict[str, float] = {}
+        self.draining = False
         self.core: EngineCore | None = None
-        self.start_lock: asyncio.Lock | None = None
+        self.start_task: asyncio.Task | None = None
         self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
         self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.request_client: dict[str, str] = {}
@@ -53,22 +89,48 @@ class EngineActor:
         return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
 
     async def _started(self) -> EngineCore:
-        """Workers are created on first use, in a thread: the event loop keeps answering meanwhile."""
+        """Workers are created on first use, in a thread: the event loop keeps answering meanwhile. The start is
+        one task of its own, so a caller that gives up (cancelled) neither stops it nor makes the next one start
+        a second set of workers."""
         if self.core is None:
-            self.start_lock = self.start_lock or asyncio.Lock()
-            async with self.start_lock:
-                if self.core is None:
-                    self._raise_if_dead()
-                    try:
-                        self.core = await asyncio.to_thread(self._build_core)
-                    except Exception as error:
-                        self.dead_reason = f"engine failed to start: {error}"
-                        raise
+            self._raise_if_dead()
+            if self.start_task is None:
+                self.start_task = background_task(self._start())
+            await asyncio.shield(self.start_task)
         return self.core
+
+    async def _start(self) -> None:
+        try:
+            self.core = await asyncio.to_thread(self._build_core)
+        except Exception as error:
+            self.dead_reason = f"engine failed to start: {error}"
+            raise
 
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
-            self.loop_task = asyncio.get_running_loop().create_task(self._run_steps())
+            self.loop_task = background_task(self._run_steps())
+        if self.reaper_task is None or self.reaper_task.done():
+            self.reaper_task = background_task(self._reap_silent_clients())
+
+    async def _reap_silent_clients(self) -> None:
+        """Abort the requests of an ingress replica that stopped polling (it died): nobody reads them any more."""
+        while True:
+            await asyncio.sleep(self.client_lease_s / 4)
+            deadline = time.monotonic() - self.client_lease_s
+            silent = {client_id for client_id, seen in self.client_seen.items() if seen < deadline}
+            if not silent:
+                continue
+            request_ids = [request_id for request_id, client_id in self.request_client.items() if client_id in silent]
+            if request_ids and self.core is not None:
+                logger.warning("aborting %d requests of %d silent ingress clients", len(request_ids), len(silent))
+                self.core.abort_request(request_ids)
+            for request_id in request_ids:
+                self.request_client.pop(request_id, None)
+            for client_id in silent:
+                self.client_seen.pop(client_id, None)
+                self.client_outputs.pop(client_id, None)
+                self.client_events.pop(client_id, None)
+                self.client_failures.pop(client_id, None)
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
@@ -88,10 +150,16 @@ class EngineActor:
     async def add_request(
         self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        """Raises ValueError on bad input (nothing is queued) and EngineDeadError once the engine is down."""
+        """Raises ValueError on bad input (nothing is queued), EngineDeadError once the engine is down and
+        EngineDrainingError while the server shuts down."""
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
         await self._started()
         self._raise_if_dead()
         self._ensure_loop()
+        self.client_seen[client_id] = time.monotonic()
+        if self.early_aborts.pop(request_id, None) is not None:
+            return  # its abort overtook it: the client is gone already
         self.core.add_request(request_id, prompt_token_ids, params)
         # Requests of this client from before a rebuild were already failed, however its pump learnt it.
         self.client_failures.pop(client_id, None)
@@ -99,7 +167,17 @@ class EngineActor:
         self.new_work.set()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop requests and free their blocks. An async actor may run this before the add_request it follows:
+        an unknown id is remembered for a while, and that request is dropped when it arrives."""
         await self._started()
+        now = time.monotonic()
+        for request_id in request_ids:
+            if request_id not in self.core.children:
+                self.early_aborts[request_id] = now
+        if len(self.early_aborts) > 1024:
+            self.early_aborts = {
+                request_id: when for request_id, when in self.early_aborts.items() if when > now - EARLY_ABORT_MEMORY_S
+            }
         self.core.abort_request(request_ids)
         for request_id in request_ids:
             self.request_client.pop(request_id, None)
@@ -112,6 +190,7 @@ class EngineActor:
 
     async def get_outputs(self, client_id: str) -> list[EngineOutput]:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        self.client_seen[client_id] = time.monotonic()
         failure = self.client_failures.pop(client_id, None)
         if failure is not None:
             raise EngineDeadError(failure)
@@ -129,7 +208,9 @@ class EngineActor:
         return outputs
 
     async def check_health(self) -> None:
-        """Raises while the engine is down; a worker found dead here starts the rebuild."""
+        """Raises while the engine is down or draining; a worker found dead here starts the rebuild."""
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down")
         core = await self._started()
         try:
             await core.executor.check_health_async()
@@ -156,6 +237,9 @@ class EngineActor:
             "prefix_cache_hits": kv_cache.prefix_cache_hits,
             "num_steps": self.num_steps,
             "num_rebuilds": self.num_rebuilds,
+            "num_clients": len(self.client_seen),
+            "draining": self.draining,
+            "rss_bytes": process_rss_bytes(),
         }
 
     async def metrics_text(self) -> bytes:
@@ -173,7 +257,12 @@ class EngineActor:
         """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
         await self._started()
         workers = await asyncio.gather(*[worker.identity.remote() for worker in self.core.executor.workers])
-        return {"engine_pid": os.getpid(), "workers": list(workers)}
+        placement_group = self.core.executor.placement_group
+        return {
+            "engine_pid": os.getpid(),
+            "workers": list(workers),
+            "placement_group_id": placement_group.id.hex() if placement_group is not None else None,
+        }
 
     async def _run_steps(self) -> None:
         while True:
@@ -210,7 +299,7 @@ class EngineActor:
 
     def _start_rebuild(self, reason: str) -> None:
         self._fail_in_flight(reason)
-        self.rebuild_task = asyncio.get_running_loop().create_task(self._rebuild())
+        self.rebuild_task = background_task(self._rebuild())
 
     def _fail_in_flight(self, reason: str) -> None:
         """Every client with requests in flight gets one EngineDeadError from its next get_outputs."""
@@ -244,8 +333,27 @@ class EngineActor:
         """Alive (even while rebuilding): what Ray Serve's replica health check asks."""
         return True
 
+    async def drain(self) -> None:
+        """Graceful shutdown, step 1: refuse new requests (and fail /health); the ones in flight go on."""
+        self.draining = True
+
+    async def fail_requests(self, reason: str) -> int:
+        """Graceful shutdown, step 2 (grace over): end every request in flight with `reason`, free its blocks."""
+        if self.core is None:
+            return 0
+        request_ids = list(self.core.children)
+        self.core.abort_request(request_ids)
+        for client_id in set(self.request_client.values()):
+            self.client_failures[client_id] = reason
+            self.client_outputs.pop(client_id, None)
+        self.request_client.clear()
+        for event in self.client_events.values():
+            event.set()
+        return len(request_ids)
+
     async def shutdown(self) -> None:
-        if self.loop_task is not None:
-            self.loop_task.cancel()
+        for task in (self.loop_task, self.reaper_task):
+            if task is not None:
+                task.cancel()
         if self.core is not None:
             self.core.shutdown()

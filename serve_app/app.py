@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import re
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +26,11 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import EngineActor
+from executor.engine_actor import EngineActor, EngineDrainingError
 from executor.engine_core import validate_prompt
 from executor.executors import EngineDeadError, EngineOverloadedError
 from executor.output_processor import OutputProcessor, RequestState
@@ -49,6 +54,8 @@ from serve_app.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
+# Only a JSON text with a \uD800-\uDFFF escape can hold a lone surrogate once strictly decoded as UTF-8.
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # Engine actors live in a namespace of their own, so operators and tests find them by name from any job.
 ENGINE_NAMESPACE = "pagedserve"
 
@@ -107,13 +114,56 @@ def validate_payload(model: type[BaseModel], payload: Any) -> Any:
         raise RequestError(400, f"{param}: {first['msg']}", param=param) from error
 
 
+def lone_surrogate_path(payload: Any) -> str | None:
+    """Where the first string (key or value) with a lone UTF-16 surrogate is: no tokenizer can encode one."""
+    stack: list[tuple[str, Any]] = [("", payload)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack += [(f"{path}.{key}" if path else str(key), key), (f"{path}.{key}" if path else str(key), item)]
+        elif isinstance(value, list):
+            stack += [(f"{path}.{index}" if path else str(index), item) for index, item in enumerate(value)]
+    return None
+
+
 async def parse_body(request: Request, model: type[BaseModel], guard: HttpGuard) -> Any:
     raw = await guard.read_json_body(request)
     try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        # JSON between systems is UTF-8 (RFC 8259); strict decoding also refuses UTF-8-encoded surrogates.
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise RequestError(400, f"request body is not valid UTF-8: {error}") from error
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        # ValueError also covers integers past Python's digit limit; RecursionError, nesting past the parser's.
         raise RequestError(400, f"request body is not valid JSON: {error}") from error
+    if SURROGATE_ESCAPE.search(text):
+        path = lone_surrogate_path(payload)
+        if path is not None:
+            raise RequestError(400, f"{path}: a string holds a lone UTF-16 surrogate escape.", param=path)
     return validate_payload(model, payload)
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """SSE that releases its engine requests however the response ends, even when the client left before the
+    first byte (then Starlette never iterates the body and the generator's own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 @dataclass(slots=True)
@@ -141,7 +191,19 @@ class OpenAIIngress:
         infos = ray.get([engine.engine_info.remote() for engine in engines], timeout=ENGINE_READY_TIMEOUT_S)
         # Replicas may differ in KV capacity; validate against the strictest.
         self.engine_info = min(infos, key=lambda info: info["max_model_len"])
-        self.clients = [EngineClient(engine) for engine in engines]
+        self.clients = [
+            EngineClient(engine, functools.partial(get_or_create_engine, self.config, index))
+            for index, engine in enumerate(engines)
+        ]
+        # Tokenization (which releases the GIL) runs here, so a long prompt does not stall every other stream.
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.max_prompt_chars = self._max_prompt_chars()
+        special = sorted(
+            {token.content for token in self.tokenizer.added_tokens_decoder.values() if token.special},
+            key=len,
+            reverse=True,
+        )
+        self.special_token_text = re.compile("|".join(map(re.escape, special))) if special else None
         self.router = EngineRouter(self.clients, settings.routing, settings.routing_prefix_tokens)
         self.processor = OutputProcessor(self.tokenizer)
         self.guard = HttpGuard(self.config.serve)
@@ -157,6 +219,31 @@ class OpenAIIngress:
             ("POST", "/detokenize"): self.detokenize,
         }
         logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
+
+    def _max_prompt_chars(self) -> int | None:
+        """Characters past which a prompt cannot fit the context whatever it says, so it is refused untokenized.
+
+        With byte-level vocabularies and no normalizer a token covers at most as many characters as its vocabulary
+        string is long; for other tokenizers there is no such bound and every prompt is tokenized.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        return self.engine_info["max_model_len"] * max(len(token) for token in self.tokenizer.get_vocab())
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            max_model_len = self.engine_info["max_model_len"]
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{num_chars} characters, more than {max_model_len} tokens can hold. Please reduce the length of "
+                "the input.",
+                param=param,
+            )
+
+    async def _tokenizing(self, function: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, function, *args)
 
     def route_path(self, request: Request) -> str:
         """The ASGI scope path minus this app's route prefix: what routing and auth both decide on."""
@@ -174,6 +261,7 @@ class OpenAIIngress:
         if request.method == "OPTIONS":
             return self.guard.preflight(request)
         try:
+            self.guard.check_headers(request)
             self.guard.check_auth(path, request)
             handler = self.routes.get((request.method, path))
             if handler is None:
@@ -188,6 +276,8 @@ class OpenAIIngress:
         except EngineOverloadedError as error:
             response = error_response(503, str(error), "ServiceUnavailableError")
             response.headers["Retry-After"] = "1"
+        except EngineDrainingError as error:
+            response = error_response(503, str(error), "ServiceUnavailableError")
         except EngineDeadError as error:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         response.headers.update(extra_headers)
@@ -212,19 +302,19 @@ class OpenAIIngress:
             response = await handler(body)
         except RequestError as error:
             response = error_response(error.status, error.message, error.error_type, error.param)
-        except EngineOverloadedError as error:
+        except (EngineOverloadedError, EngineDrainingError) as error:
             response = error_response(503, str(error), "ServiceUnavailableError")
         except EngineDeadError as error:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         return response.status_code, json.loads(response.body)
 
     async def _check_engines(self) -> None:
-        await asyncio.gather(*(client.engine.check_health.remote() for client in self.clients))
+        await asyncio.gather(*(client.check_health() for client in self.clients))
 
     async def check_health(self) -> None:
-        """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it. Only a scheduler actor
-        that is gone counts: one that is rebuilding its workers is alive (its /health says 503 meanwhile)."""
-        await asyncio.gather(*(client.engine.ping.remote() for client in self.clients))
+        """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it. A scheduler actor that is
+        rebuilding its workers, or that this replica is replacing, does not count (its /health says 503 meanwhile)."""
+        await asyncio.gather(*(client.ping() for client in self.clients))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -239,7 +329,11 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def metrics(self, request: Request) -> Response:
-        expositions = await asyncio.gather(*(client.engine.metrics_text.remote() for client in self.clients))
+        results = await asyncio.gather(
+            *(client.engine.metrics_text.remote() for client in self.clients), return_exceptions=True
+        )
+        # An engine that is down drops out of the scrape; the others still report.
+        expositions = [result for result in results if isinstance(result, bytes)]
         return Response(merge_expositions(expositions), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self, request: Request) -> Response:
@@ -248,12 +342,17 @@ class OpenAIIngress:
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = await parse_body(request, TokenizeRequest, self.guard)
         self._check_model(body.model)
+        self._refuse_request_templates(body)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
-            token_ids = self._render_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
+            token_ids = await self._tokenizing(
+                self._render_chat, body.messages, body.add_generation_prompt, body.continue_final_message
+            )
         else:
-            token_ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            token_ids = await self._tokenizing(
+                functools.partial(self.tokenizer.encode, add_special_tokens=body.add_special_tokens), body.prompt
+            )
         return JSONResponse(
             {"count": len(token_ids), "max_model_len": self.engine_info["max_model_len"], "tokens": token_ids}
         )
@@ -266,6 +365,13 @@ class OpenAIIngress:
         if bad:
             raise RequestError(400, f"token id {bad[0]} is out of the vocabulary (size {vocab_size}).", param="tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
+    @staticmethod
+    def _refuse_request_templates(body: BaseModel) -> None:
+        """Only the model's own chat template renders prompts: one from the request could emit any control token."""
+        for refused in ("chat_template", "chat_template_kwargs"):
+            if (body.model_extra or {}).get(refused) is not None:
+                raise RequestError(400, f"{refused} from the request is not accepted.", param=refused)
 
     def _check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -288,15 +394,18 @@ class OpenAIIngress:
         except ValueError as error:
             raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
 
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
-        if not prompt:
+            prompt = [prompt]
+        elif not prompt:
             raise RequestError(400, "prompt must not be empty.", param="prompt")
-        if all(isinstance(item, int) for item in prompt):
+        elif all(isinstance(item, int) for item in prompt):
             return [(None, list(prompt))]
         if all(isinstance(item, str) for item in prompt):
-            return [(item, self.tokenizer.encode(item)) for item in prompt]
+            for text in prompt:
+                self._check_prompt_chars(len(text), "prompt")
+            token_ids = await self._tokenizing(lambda: [self.tokenizer.encode(text) for text in prompt])
+            return list(zip(prompt, token_ids))
         return [(None, list(item)) for item in prompt]
 
     async def _submit(
@@ -312,13 +421,17 @@ class OpenAIIngress:
                 submissions.append(Submission(request_id, prompt_index, client, state))
                 await client.submit(request_id, token_ids, params)
         except BaseException as error:
-            for submission in submissions:
-                self.processor.requests.pop(submission.request_id, None)
-                await submission.client.cancel(submission.request_id)
+            self._release(submissions)
             if isinstance(error, ValueError):
                 raise RequestError(400, str(error)) from error
             raise
         return submissions
+
+    def _release(self, submissions: list[Submission]) -> None:
+        """Forget the submissions and abort those still in the engine; a no-op for the ones that finished."""
+        for submission in submissions:
+            self.processor.requests.pop(submission.request_id, None)
+            submission.client.cancel(submission.request_id)
 
     async def _follow(self, submission: Submission, params: SamplingParams) -> AsyncIterator[RequestState]:
         """Yields the request's state each time it changes, until every completion finished."""
@@ -384,6 +497,9 @@ class OpenAIIngress:
                     final[prompt_index] = state
         except TimeoutError as error:
             raise self._timeout_error() from error
+        finally:
+            # Also when cancelled (client gone) before a follower started: nothing may stay queued unread.
+            self._release(submissions)
         return final
 
     def _timeout_error(self) -> RequestError:
@@ -410,13 +526,15 @@ class OpenAIIngress:
         if body.echo and body.logprobs is not None:
             raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt)
         self._validate_prompts(prompts, params)
         completion_id = random_id("cmpl")
         created = now()
         submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
-            return self._stream(self._completion_chunks(completion_id, created, prompts, submissions, params, body))
+            return self._stream(
+                self._completion_chunks(completion_id, created, prompts, submissions, params, body), submissions
+            )
         final = await self._run_to_end(submissions, params)
         choices = []
         num_completion_tokens = 0
@@ -506,10 +624,28 @@ class OpenAIIngress:
             }
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        """The prompt's token ids. Special-token text inside a message (`<|im_end|>` ...) is the sender's text, not a
+        control token: each occurrence is swapped for a placeholder before rendering and tokenized as plain text."""
         if not messages:
             raise RequestError(400, "messages must not be empty.", param="messages")
+        literals: dict[str, str] = {}
+        nonce = secrets.token_hex(8)
+
+        def hide_special_text(text: str) -> str:
+            def placeholder(match: re.Match) -> str:
+                key = f"\ue000{nonce}:{len(literals)}\ue001"
+                literals[key] = match.group(0)
+                return key
+
+            return text if self.special_token_text is None else self.special_token_text.sub(placeholder, text)
+
         try:
-            conversation = [{"role": message.role, "content": message_text(message)} for message in messages]
+            contents = [message_text(message) for message in messages]
+            self._check_prompt_chars(sum(map(len, contents)), "messages")
+            conversation = [
+                {"role": message.role, "content": hide_special_text(content)}
+                for message, content in zip(messages, contents)
+            ]
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
@@ -518,20 +654,40 @@ class OpenAIIngress:
             )
         except ValueError as error:
             raise RequestError(400, str(error), param="messages") from error
-        # The template already holds the special tokens the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The template's own text holds the special tokens the model expects: those parse as control tokens.
+        if not literals:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids: list[int] = []
+        for piece in re.split(f"(\ue000{nonce}:\\d+\ue001)", text):
+            if piece in literals:
+                token_ids += self._plain_text_token_ids(literals[piece])
+            elif piece:
+                token_ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return token_ids
+
+    def _plain_text_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` with every special-token string in it spelled out as ordinary text."""
+        token_ids: list[int] = []
+        while text:
+            match = self.special_token_text.search(text)
+            if match is None:
+                return token_ids + self.tokenizer.encode(text, add_special_tokens=False)
+            # Cut after the marker's first character: what is left no longer matches it.
+            token_ids += self.tokenizer.encode(text[: match.start() + 1], add_special_tokens=False)
+            text = text[match.start() + 1 :]
+        return token_ids
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.chat(await parse_body(request, ChatCompletionRequest, self.guard))
 
     async def chat(self, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
-        for refused in ("chat_template", "chat_template_kwargs"):
-            if (body.model_extra or {}).get(refused) is not None:
-                raise RequestError(400, f"{refused} from the request is not accepted.", param=refused)
+        self._refuse_request_templates(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-        prompt_token_ids = self._render_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
+        prompt_token_ids = await self._tokenizing(
+            self._render_chat, body.messages, body.add_generation_prompt, body.continue_final_message
+        )
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, logprobs)
@@ -541,7 +697,9 @@ class OpenAIIngress:
         created = now()
         submissions = await self._submit(completion_id, prompts, params)
         if body.stream:
-            return self._stream(self._chat_chunks(completion_id, created, prompts, submissions, params, body))
+            return self._stream(
+                self._chat_chunks(completion_id, created, prompts, submissions, params, body), submissions
+            )
         state = (await self._run_to_end(submissions, params))[0]
         choices = [
             {
@@ -604,7 +762,7 @@ class OpenAIIngress:
                 "usage": usage(len(prompts[0][1]), num_completion_tokens),
             }
 
-    def _stream(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    def _stream(self, chunks: AsyncIterator[dict[str, Any]], submissions: list[Submission]) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             try:
                 async with self._deadline(), contextlib.aclosing(chunks) as stream:
@@ -619,7 +777,7 @@ class OpenAIIngress:
                 yield sse(error_body(f"the engine is unavailable: {error}", "ServiceUnavailableError", 503))
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ReleasingStreamingResponse(events(), functools.partial(self._release, submissions))
 
 
 def build_app(config: AppConfig | dict[str, Any] | str | Path | None = None) -> serve.Application:

@@ -1,28 +1,39 @@
-"""The ingress side of the scheduler actor: one output pump per ingress replica, one queue per request."""
+"""The ingress side of the scheduler actor: one output pump per ingress replica, one queue per request.
+
+Aborts go out in batches (a storm of disconnects is a few Ray calls, not hundreds), and a scheduler actor that is
+gone is replaced: the client creates (or adopts, by name) a new one and serves again once it is up.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import ray
 
 from configs.sampling_params import SamplingParams
+from executor.engine_actor import EngineDrainingError, background_task
 from executor.engine_core import EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
+
+ENGINE_READY_TIMEOUT_S = 600.0
+# A queue nobody has read for this long while outputs pile up belongs to a request whose reader is gone.
+ORPHAN_QUEUE_S = 30.0
+RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 def unwrap_ray_error(error: BaseException) -> BaseException:
     """A ValueError raised in the actor arrives wrapped; hand the original to the HTTP layer."""
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.as_instanceof_cause()
-        if isinstance(cause, ValueError | EngineDeadError | EngineOverloadedError):
+        if isinstance(cause, ValueError | EngineDeadError | EngineOverloadedError | EngineDrainingError):
             return cause
         return EngineDeadError(str(error))
     if isinstance(error, ray.exceptions.RayActorError):
@@ -31,25 +42,95 @@ def unwrap_ray_error(error: BaseException) -> BaseException:
 
 
 class EngineClient:
-    def __init__(self, engine: Any):
+    """One engine replica as one ingress replica sees it.
+
+    `create_engine` (blocking, called off the event loop) returns a handle to a scheduler actor by name, creating it
+    if it does not exist; it is called again when the actor is found dead.
+    """
+
+    def __init__(self, engine: Any, create_engine: Callable[[], Any] | None = None):
         self.engine = engine
+        self.create_engine = create_engine
         self.client_id = uuid.uuid4().hex
         self.queues: dict[str, asyncio.Queue] = {}
+        self.last_read: dict[str, float] = {}
         self.pump_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
+        self.pending_aborts: set[str] = set()
+        self.abort_task: asyncio.Task | None = None
+        self.restart_task: asyncio.Task | None = None
+        self.restart_error: str | None = None
+        self.num_restarts = 0
 
     @property
     def num_in_flight(self) -> int:
         return len(self.queues)
 
+    @property
+    def restarting(self) -> bool:
+        return self.restart_task is not None and not self.restart_task.done()
+
+    def _raise_if_restarting(self) -> None:
+        if self.restarting:
+            reason = f" (last attempt: {self.restart_error})" if self.restart_error else ""
+            raise EngineDeadError(f"the engine is restarting after a failure{reason}")
+
+    def on_engine_error(self, error: BaseException) -> None:
+        """Any call that found the scheduler actor gone starts its replacement (once)."""
+        if isinstance(error, ray.exceptions.RayActorError) and self.create_engine is not None and not self.restarting:
+            logger.error("scheduler actor is gone (%s); starting a new one", error)
+            self.restart_task = background_task(self._restart())
+
+    async def _restart(self) -> None:
+        """Create or adopt the scheduler actor by name until one answers; it builds its workers on first use."""
+        attempt = 0
+        while True:
+            try:
+                engine = await asyncio.to_thread(self.create_engine)
+                await asyncio.wait_for(engine.engine_info.remote(), ENGINE_READY_TIMEOUT_S)
+            except Exception as error:
+                # The dead actor's name can outlive it for a moment, and a start can fail: try again, slower.
+                self.restart_error = f"{type(error).__name__}: {error}"
+                logger.warning("scheduler actor restart attempt %d failed: %s", attempt + 1, self.restart_error)
+                await asyncio.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+                attempt += 1
+                continue
+            self.engine = engine
+            self.engine_error = None
+            self.restart_error = None
+            self.num_restarts += 1
+            logger.info("scheduler actor is back (restart %d)", self.num_restarts)
+            return
+
+    async def check_health(self) -> None:
+        """Raises while the engine is down, restarting or draining."""
+        self._raise_if_restarting()
+        try:
+            await self.engine.check_health.remote()
+        except Exception as error:
+            self.on_engine_error(error)
+            raise unwrap_ray_error(error) from None
+
+    async def ping(self) -> None:
+        """Raises only when the scheduler actor is gone and could not be replaced (Serve then replaces us)."""
+        if self.restarting:
+            return
+        try:
+            await self.engine.ping.remote()
+        except Exception as error:
+            self.on_engine_error(error)
+            if not self.restarting:
+                raise
+
     def _ensure_pump(self) -> None:
         if self.pump_task is None or self.pump_task.done():
             self.engine_error = None
-            self.pump_task = asyncio.get_running_loop().create_task(self._pump())
+            self.pump_task = background_task(self._pump())
 
     async def _pump(self) -> None:
         """One Ray call brings every new token of every request of this replica."""
         while self.queues:
+            self._drop_orphans()
             try:
                 outputs: list[EngineOutput] = await self.engine.get_outputs.remote(self.client_id)
             except Exception as error:
@@ -57,6 +138,7 @@ class EngineClient:
                 logger.error("engine unreachable: %s", self.engine_error)
                 for queue in self.queues.values():
                     queue.put_nowait(self.engine_error)
+                self.on_engine_error(error)
                 return
             by_request: dict[str, list[EngineOutput]] = defaultdict(list)
             for output in outputs:
@@ -66,14 +148,27 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(request_outputs)
 
+    def _drop_orphans(self) -> None:
+        """Abort requests whose outputs pile up unread: their reader is gone without saying so."""
+        deadline = time.monotonic() - ORPHAN_QUEUE_S
+        for request_id, queue in list(self.queues.items()):
+            if queue.qsize() and self.last_read.get(request_id, 0.0) < deadline:
+                logger.warning("request %s has had no reader for %.0f s; aborting it", request_id, ORPHAN_QUEUE_S)
+                self.cancel(request_id)
+
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queue the request in the engine. Raises ValueError (bad input), EngineOverloadedError (queue full) or
-        EngineDeadError (engine down) before anything is streamed, so the client still gets a plain HTTP error."""
+        """Queue the request in the engine. Raises ValueError (bad input), EngineOverloadedError (queue full),
+        EngineDeadError (engine down) or EngineDrainingError (shutting down) before anything is streamed, so the
+        client still gets a plain HTTP error."""
+        self._raise_if_restarting()
         self.queues[request_id] = asyncio.Queue()
+        self.last_read[request_id] = time.monotonic()
         try:
             await self.engine.add_request.remote(self.client_id, request_id, list(prompt_token_ids), params)
         except Exception as error:
-            del self.queues[request_id]
+            # A call cancelled with its HTTP request (Serve cancels recursively) may have run all the same: abort.
+            self.cancel(request_id)
+            self.on_engine_error(error)
             raise unwrap_ray_error(error) from None
         self._ensure_pump()
 
@@ -86,26 +181,41 @@ class EngineClient:
         num_unfinished = num_completions
         try:
             while num_unfinished:
+                self.last_read[request_id] = time.monotonic()
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 num_unfinished -= sum(1 for output in item if output.finish_reason is not None)
                 yield item
         finally:
-            self.queues.pop(request_id, None)
             if num_unfinished:
-                await self._abort_quietly(request_id)
+                self.cancel(request_id)
+            else:
+                self.queues.pop(request_id, None)
+                self.last_read.pop(request_id, None)
 
-    async def cancel(self, request_id: str) -> None:
-        """Drop a submitted request nobody will read."""
-        if self.queues.pop(request_id, None) is not None:
-            await self._abort_quietly(request_id)
+    def cancel(self, request_id: str) -> None:
+        """Drop a submitted request nobody will read and abort it in the engine (idempotent, never waits)."""
+        self.last_read.pop(request_id, None)
+        if self.queues.pop(request_id, None) is None:
+            return
+        self.pending_aborts.add(request_id)
+        if self.abort_task is None or self.abort_task.done():
+            self.abort_task = background_task(self._send_aborts())
 
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await asyncio.shield(self.engine.abort.remote([request_id]))
-        except Exception as error:
-            logger.warning("abort of %s failed: %s", request_id, error)
+    async def _send_aborts(self) -> None:
+        """Every abort asked for since the last call, in one Ray call; runs apart from the (maybe cancelled) caller."""
+        while self.pending_aborts:
+            request_ids = sorted(self.pending_aborts)
+            self.pending_aborts.clear()
+            try:
+                await self.engine.abort.remote(request_ids)
+            except Exception as error:
+                logger.warning("abort of %d requests failed: %s", len(request_ids), error)
 
     async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
-        await self.engine.stop_completion.remote(request_id, index, stop_string)
+        try:
+            await self.engine.stop_completion.remote(request_id, index, stop_string)
+        except Exception as error:
+            self.on_engine_error(error)
+            raise unwrap_ray_error(error) from None

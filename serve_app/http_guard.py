@@ -1,4 +1,4 @@
-"""HTTP hygiene before any route runs: API key, CORS, body size, content type.
+"""HTTP hygiene before any route runs: header limits, API key, CORS, body size, content type.
 
 Auth is decided on the ASGI scope path, deny by default: every path needs the key except a fixed set of open
 endpoints, so no `..`, double slash, case or Host-header trick reaches a protected route without it.
@@ -9,13 +9,20 @@ from __future__ import annotations
 import hmac
 import os
 
-from starlette.requests import Request
+from ray.exceptions import RayError
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from configs.app_config import ServeSection
 from serve_app.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Ray Serve's proxy (uvicorn + httptools) takes header blocks of any size; past these a request is refused here,
+# before any route runs (Apache allows 100 fields by default; 32 KiB holds big cookies and tokens).
+MAX_HEADER_COUNT = 100
+MAX_HEADER_BYTES = 32 * 1024
+# The rest of an oversized body is unwanted: closing the connection stops the proxy from reading (and buffering) it.
+CLOSE_CONNECTION = {"Connection": "close"}
 
 
 class GuardError(Exception):
@@ -39,6 +46,22 @@ class HttpGuard:
         self.allow_any_origin = "*" in settings.cors_allow_origins
         self.allowed_origins = frozenset(settings.cors_allow_origins)
 
+    def check_headers(self, request: Request) -> None:
+        headers = request.scope.get("headers", [])
+        if len(headers) > MAX_HEADER_COUNT:
+            raise GuardError(
+                431,
+                f"Request has {len(headers)} header fields; at most {MAX_HEADER_COUNT} are accepted.",
+                "RequestHeaderFieldsTooLarge",
+            )
+        size = sum(len(name) + len(value) for name, value in headers)
+        if size > MAX_HEADER_BYTES:
+            raise GuardError(
+                431,
+                f"Request headers take {size} bytes; at most {MAX_HEADER_BYTES} are accepted.",
+                "RequestHeaderFieldsTooLarge",
+            )
+
     def check_auth(self, route_path: str, request: Request) -> None:
         if self.expected_authorization is None or route_path in OPEN_PATHS:
             return
@@ -56,13 +79,22 @@ class HttpGuard:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise GuardError(
-                413, f"Request body of {declared} bytes exceeds the {limit}-byte limit.", "PayloadTooLarge"
+                413,
+                f"Request body of {declared} bytes exceeds the {limit}-byte limit.",
+                "PayloadTooLarge",
+                CLOSE_CONNECTION,
             )
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise GuardError(413, f"Request body exceeds the {limit}-byte limit.", "PayloadTooLarge")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise GuardError(
+                        413, f"Request body exceeds the {limit}-byte limit.", "PayloadTooLarge", CLOSE_CONNECTION
+                    )
+        except (ClientDisconnect, RayError) as error:
+            # The client left mid-body (Serve's proxy then fails the read): an incomplete request, not a server error.
+            raise GuardError(400, f"The request body was not received in full: {error!r}", "BadRequestError") from None
         return bytes(body)
 
     def cors_headers(self, request: Request) -> dict[str, str]:

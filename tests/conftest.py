@@ -128,3 +128,22 @@ def serve_port(ray_cluster: Any) -> int:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+def ray_actors(class_prefix: str, state: str = "ALIVE") -> list[dict[str, Any]]:
+    """Actors of this session's Ray whose class name starts with `class_prefix` (no dashboard needed)."""
+    import ray
+
+    return [
+        actor
+        for actor in ray._private.state.actors().values()
+        if actor["ActorClassName"].startswith(class_prefix) and actor["State"] == state
+    ]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a local process, in MiB."""
+    import os
+
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
