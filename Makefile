@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: setup serve test lint bench-offline clean
+.PHONY: setup serve test lint bench-offline soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ serve: setup
 
 bench-offline: setup
 	$(BIN)/pagedserve bench-offline
+
+# Three minutes past capacity with random disconnects; fails on leaked KV blocks, request state or memory.
+soak: setup
+	$(BIN)/pagedserve soak --config configs/default.yaml --duration-s 180
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""`pagedserve` command line: fetch-model, serve, bench (HTTP), bench-offline."""
+"""`pagedserve` command line: fetch-model, serve, bench (HTTP), bench-offline, soak."""
 
 from __future__ import annotations
 
@@ -48,6 +48,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=overrides)})
     serve_forever(config)
     return 0
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    """Exit status 1 when the soak found a leak or the server stopped serving."""
+    from cluster.serve import shutdown, start_ray
+    from cluster.soak import format_soak_report, run_soak, soak_config_from_args
+    from configs.app_config import AppConfig
+
+    # httpx logs every request at INFO: thousands of lines in a soak.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+    config = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    if args.port is not None:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update={"port": args.port})})
+    soak = soak_config_from_args(args)
+    owns_ray = start_ray(config)
+    try:
+        report = run_soak(config, soak)
+    finally:
+        shutdown(config, grace_s=10.0, owns_ray=owns_ray)
+    print(format_soak_report(report))  # the report is the command's output
+    return 0 if report["passed"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="overrides serve.port")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (also $PAGEDSERVE_API_KEY)")
     serve.set_defaults(handler=cmd_serve)
+
+    soak = commands.add_parser(
+        "soak", help="deploy, load past capacity with random disconnects, fail on leaked KV blocks or memory"
+    )
+    soak.add_argument("--config", default=None, help="a YAML preset (path, or a name under configs/)")
+    soak.add_argument("--port", type=int, default=None, help="overrides serve.port")
+    soak.add_argument("--duration-s", type=float, default=180.0, help="seconds of arrivals")
+    soak.add_argument("--capacity-factor", type=float, default=1.5, help="offered load / measured capacity")
+    soak.add_argument("--disconnect-fraction", type=float, default=0.2, help="requests that hang up at random")
+    soak.add_argument("--input-len", type=int, default=32, help="random words per prompt")
+    soak.add_argument("--output-len", type=int, default=64, help="max_tokens, sent with ignore_eos")
+    soak.add_argument("--request-timeout-s", type=float, default=60.0, help="a client gives up after this")
+    soak.add_argument("--max-rss-growth-mib", type=float, default=100.0, help="per process, else the soak fails")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--output-json", default=None)
+    soak.set_defaults(handler=cmd_soak)
     return parser
 
 

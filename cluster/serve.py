@@ -1,4 +1,8 @@
-"""`pagedserve serve`: attach to RAY_ADDRESS or start an embedded Ray, deploy the app, serve until Ctrl-C."""
+"""`pagedserve serve`: attach to RAY_ADDRESS or start an embedded Ray, deploy the app, serve until SIGINT/SIGTERM.
+
+Shutdown is graceful: new requests get 503 at once, the ones in flight finish within a grace period (a second
+signal cuts it short), then the application is deleted and, for an embedded Ray, Serve and Ray are stopped.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,17 @@ import logging
 import os
 import signal
 import threading
+import time
+from typing import Any
 
 from configs.app_config import AppConfig
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0
+# How often `serve_forever` checks that the application still exists (`serve shutdown` from elsewhere).
+APP_CHECK_PERIOD_S = 5.0
+RAY_CALL_TIMEOUT_S = 30.0
 
 
 def embedded_ray_num_cpus(config: AppConfig) -> int:
@@ -20,18 +31,20 @@ def embedded_ray_num_cpus(config: AppConfig) -> int:
     return max(int(needed) + 2, os.cpu_count() or 1)
 
 
-def start_ray(config: AppConfig) -> None:
+def start_ray(config: AppConfig) -> bool:
+    """Connect to RAY_ADDRESS or start an embedded Ray; True when this process started (and so owns) Ray."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
         ray.init(address=address)
-    else:
-        # Ray resources are logical: an embedded Ray gets enough CPUs for every worker; torch threads are set apart.
-        ray.init(num_cpus=embedded_ray_num_cpus(config), include_dashboard=False)
+        return False
+    # Ray resources are logical: an embedded Ray gets enough CPUs for every worker; torch threads are set apart.
+    ray.init(num_cpus=embedded_ray_num_cpus(config), include_dashboard=False)
+    return True
 
 
 def deploy(config: AppConfig, blocking: bool = False) -> str:
@@ -50,17 +63,118 @@ def deploy(config: AppConfig, blocking: bool = False) -> str:
     return url
 
 
-def serve_forever(config: AppConfig) -> None:
+def engine_actors(config: AppConfig) -> list[Any]:
+    """The application's scheduler actors that exist now."""
+    import ray
+
+    from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+
+    engines = []
+    for index in range(config.serve.engine_replicas):
+        try:
+            engines.append(ray.get_actor(engine_actor_name(config.serve.app_name, index), namespace=ENGINE_NAMESPACE))
+        except ValueError:
+            continue
+    return engines
+
+
+def drain(config: AppConfig, grace_s: float, hurry: threading.Event | None = None) -> dict[str, int]:
+    """Refuse new requests (503), wait up to `grace_s` for the ones in flight, then end those left with an error.
+
+    Returns {"in_flight": requests at the start, "cut": requests ended by the deadline}.
+    """
+    import ray
+
+    engines = engine_actors(config)
+    if not engines:
+        return {"in_flight": 0, "cut": 0}
+    ray.get([engine.drain.remote() for engine in engines], timeout=RAY_CALL_TIMEOUT_S)
+
+    def in_flight() -> int:
+        try:
+            stats = ray.get([engine.stats.remote() for engine in engines], timeout=RAY_CALL_TIMEOUT_S)
+        except ray.exceptions.RayError as error:
+            logger.warning("engine stats unavailable while draining: %s", error)
+            return 0
+        return sum(engine_stats["num_running"] + engine_stats["num_waiting"] for engine_stats in stats)
+
+    at_start = remaining = in_flight()
+    logger.info("draining: no new requests; %d in flight get up to %.0f s to finish", at_start, grace_s)
+    deadline = time.monotonic() + grace_s
+    while remaining and time.monotonic() < deadline and not (hurry is not None and hurry.is_set()):
+        time.sleep(0.2)
+        remaining = in_flight()
+    cut = 0
+    if remaining:
+        reason = "the server shut down before this request finished"
+        cut = sum(ray.get([engine.fail_requests.remote(reason) for engine in engines], timeout=RAY_CALL_TIMEOUT_S))
+        logger.warning("grace period over: ended %d requests still in flight", cut)
+    return {"in_flight": at_start, "cut": cut}
+
+
+def shutdown(config: AppConfig, grace_s: float, owns_ray: bool, hurry: threading.Event | None = None) -> None:
+    """Graceful shutdown: drain, delete the application (its replicas, scheduler actors, workers and placement
+    groups go with it), and stop Serve and Ray when this process started them."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return
+    try:
+        drain(config, grace_s, hurry)
+    except Exception:
+        logger.exception("draining failed; shutting down anyway")
+    try:
+        if owns_ray:
+            serve.shutdown()
+        else:
+            # Other applications on a shared cluster keep running.
+            serve.delete(config.serve.app_name)
+    except Exception:
+        logger.exception("stopping Serve failed")
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    logger.info("pagedserve stopped")
+
+
+def app_exists(config: AppConfig) -> bool:
+    """False once the application is gone (for example after `serve shutdown`); errors count as present."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return config.serve.app_name in serve.status().applications
+    except RayServeException:
+        return False
+    except Exception as error:
+        logger.warning("could not read the Serve status: %s", error)
+        return True
+
+
+def serve_forever(config: AppConfig, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Serve until SIGINT/SIGTERM (or until the application is deleted elsewhere), then shut down gracefully; a
+    second signal ends the grace period at once."""
     stop = threading.Event()
+    hurry = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            hurry.set()
+        logger.info("%s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
+    owns_ray = start_ray(config)
+    # ray.init installs its own SIGTERM handler (sys.exit): ours must win, or the drain is skipped.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
     try:
         deploy(config)
-        stop.wait()
+        while not stop.wait(APP_CHECK_PERIOD_S):
+            if not app_exists(config):
+                logger.warning("application %s is gone (serve shutdown?); exiting", config.serve.app_name)
+                break
     finally:
-        logger.info("shutting down Serve and Ray")
-        serve.shutdown()
-        ray.shutdown()
+        shutdown(config, grace_s, owns_ray, hurry)

@@ -24,8 +24,10 @@ from model_executor.model_info import load_model_info
 logger = logging.getLogger(__name__)
 
 OUTPUT_POLL_TIMEOUT_S = 2.0
-# A live ingress polls at least every OUTPUT_POLL_TIMEOUT_S while it has requests here; one silent this long is gone.
-CLIENT_LEASE_S = 30.0
+# An ingress with requests here polls every OUTPUT_POLL_TIMEOUT_S; silent this long, it is gone: abort its requests.
+REQUEST_LEASE_S = 15.0
+# Every live ingress pings on Serve's health check (every 10 s); silent this long, it no longer counts as attached.
+CLIENT_LEASE_S = 60.0
 # How long an abort that arrived before its request is remembered (Ray may run an async actor's calls out of order).
 EARLY_ABORT_MEMORY_S = 120.0
 
@@ -44,6 +46,12 @@ def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
 
 
+def short_reason(error: BaseException) -> str:
+    """The last line of an error (Ray puts the remote traceback first): what clients are told; logs keep the rest."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:300]
+
+
 def process_rss_bytes() -> int:
     """Resident memory of this process (Linux /proc; peak RSS elsewhere)."""
     try:
@@ -58,12 +66,23 @@ def process_rss_bytes() -> int:
 class EngineActor:
     """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0, client_lease_s: float = CLIENT_LEASE_S):
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int = 0,
+        request_lease_s: float = REQUEST_LEASE_S,
+        orphan_timeout_s: float | None = None,
+    ):
+        """`orphan_timeout_s`: an engine shared by ingress replicas (a detached actor) ends itself, workers and
+        placement group included, once no ingress has been heard from for this long; None: never."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config
         self.engine_index = engine_index
-        self.client_lease_s = client_lease_s
+        self.request_lease_s = request_lease_s
+        self.orphan_timeout_s = orphan_timeout_s
         self.client_seen: dict[str, float] = {}
+        self.last_client_activity = time.monotonic()
+        self.terminating = False
         self.reaper_task: asyncio.Task | None = None
         self.early_aborts: dict[str, float] = {}
         self.draining = False
@@ -103,34 +122,79 @@ class EngineActor:
         try:
             self.core = await asyncio.to_thread(self._build_core)
         except Exception as error:
-            self.dead_reason = f"engine failed to start: {error}"
+            self.dead_reason = f"engine failed to start: {short_reason(error)}"
             raise
 
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
             self.loop_task = background_task(self._run_steps())
-        if self.reaper_task is None or self.reaper_task.done():
-            self.reaper_task = background_task(self._reap_silent_clients())
+        self._ensure_watcher()
 
-    async def _reap_silent_clients(self) -> None:
-        """Abort the requests of an ingress replica that stopped polling (it died): nobody reads them any more."""
+    def _ensure_watcher(self) -> None:
+        if self.reaper_task is None or self.reaper_task.done():
+            self.reaper_task = background_task(self._watch_clients())
+
+    def _touch(self, client_id: str) -> None:
+        self.client_seen[client_id] = self.last_client_activity = time.monotonic()
+
+    def _forget_client(self, client_id: str) -> list[str]:
+        """Drop a client and abort its requests (nobody reads them any more); returns their ids."""
+        request_ids = [request_id for request_id, owner in self.request_client.items() if owner == client_id]
+        if request_ids and self.core is not None:
+            self.core.abort_request(request_ids)
+        for request_id in request_ids:
+            self.request_client.pop(request_id, None)
+        for table in (self.client_seen, self.client_outputs, self.client_events, self.client_failures):
+            table.pop(client_id, None)
+        return request_ids
+
+    async def _watch_clients(self) -> None:
+        """Abort the requests of an ingress that stopped polling (it died), forget ingresses gone quiet, and end
+        this engine when no ingress is left at all."""
+        period = min(self.request_lease_s, self.orphan_timeout_s or self.request_lease_s) / 4
         while True:
-            await asyncio.sleep(self.client_lease_s / 4)
-            deadline = time.monotonic() - self.client_lease_s
-            silent = {client_id for client_id, seen in self.client_seen.items() if seen < deadline}
-            if not silent:
-                continue
-            request_ids = [request_id for request_id, client_id in self.request_client.items() if client_id in silent]
-            if request_ids and self.core is not None:
-                logger.warning("aborting %d requests of %d silent ingress clients", len(request_ids), len(silent))
-                self.core.abort_request(request_ids)
-            for request_id in request_ids:
-                self.request_client.pop(request_id, None)
-            for client_id in silent:
-                self.client_seen.pop(client_id, None)
-                self.client_outputs.pop(client_id, None)
-                self.client_events.pop(client_id, None)
-                self.client_failures.pop(client_id, None)
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            polling = set(self.request_client.values())
+            for client_id, seen in list(self.client_seen.items()):
+                if client_id in polling and seen < now - self.request_lease_s:
+                    request_ids = self._forget_client(client_id)
+                    logger.warning("ingress %s went silent: aborted its %d requests", client_id, len(request_ids))
+                elif seen < now - CLIENT_LEASE_S:
+                    self._forget_client(client_id)
+            if self.orphan_timeout_s is not None and now - self.last_client_activity > self.orphan_timeout_s:
+                logger.warning("no ingress for %.0f s: this engine ends itself", self.orphan_timeout_s)
+                await self._terminate()
+                return
+
+    async def _terminate(self) -> None:
+        """Release the workers and placement group, then end this actor (its name frees for a new one)."""
+        import ray
+
+        self.terminating = True
+        await self.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor)
+
+    async def attach(self, client_id: str) -> dict[str, Any]:
+        """An ingress replica starts using this engine: engine_info plus the config this engine runs. Raises
+        EngineDrainingError when this engine is ending (create a new one once it is gone)."""
+        if self.terminating:
+            raise EngineDrainingError("this engine is ending: its last ingress left")
+        self._touch(client_id)
+        self._ensure_watcher()
+        info = await self.engine_info()
+        return {**info, "engine_config": self.config.model_dump()}
+
+    async def detach(self, client_id: str) -> int:
+        """An ingress replica stops (gracefully): forget it. The last one to leave a shared engine ends it.
+        Returns how many ingresses remain."""
+        self._forget_client(client_id)
+        remaining = len(self.client_seen)
+        if not remaining and self.orphan_timeout_s is not None and not self.terminating:
+            logger.info("the last ingress detached: this engine ends itself")
+            self.terminating = True
+            background_task(self._terminate())
+        return remaining
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
@@ -157,7 +221,7 @@ class EngineActor:
         await self._started()
         self._raise_if_dead()
         self._ensure_loop()
-        self.client_seen[client_id] = time.monotonic()
+        self._touch(client_id)
         if self.early_aborts.pop(request_id, None) is not None:
             return  # its abort overtook it: the client is gone already
         self.core.add_request(request_id, prompt_token_ids, params)
@@ -190,7 +254,7 @@ class EngineActor:
 
     async def get_outputs(self, client_id: str) -> list[EngineOutput]:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
-        self.client_seen[client_id] = time.monotonic()
+        self._touch(client_id)
         failure = self.client_failures.pop(client_id, None)
         if failure is not None:
             raise EngineDeadError(failure)
@@ -219,7 +283,7 @@ class EngineActor:
                 logger.error("health check found a dead worker: %s; rebuilding the engine", error)
                 if self.loop_task is not None:
                     self.loop_task.cancel()
-                self._start_rebuild(str(error))
+                self._start_rebuild(short_reason(error))
             raise
 
     async def stats(self) -> dict[str, Any]:
@@ -240,6 +304,10 @@ class EngineActor:
             "num_clients": len(self.client_seen),
             "draining": self.draining,
             "rss_bytes": process_rss_bytes(),
+            # Per-request bookkeeping, all zero when idle (leak checks).
+            "num_tracked_requests": len(self.request_client) + len(self.core.children),
+            "num_undelivered_outputs": sum(map(len, self.client_outputs.values())),
+            "num_early_aborts": len(self.early_aborts),
         }
 
     async def metrics_text(self) -> bytes:
@@ -275,7 +343,7 @@ class EngineActor:
             except Exception as error:
                 logger.exception("engine step failed; failing in-flight requests and rebuilding the engine")
                 if not self._rebuilding():
-                    self._start_rebuild(f"engine step failed: {error}")
+                    self._start_rebuild(f"engine step failed: {short_reason(error)}")
                 return
             self.num_steps += 1
             finished_request_ids = set()
@@ -321,7 +389,7 @@ class EngineActor:
         try:
             self.core = await asyncio.to_thread(self._build_core)
         except Exception as error:
-            self.dead_reason = f"engine rebuild failed: {error}"
+            self.dead_reason = f"engine rebuild failed: {short_reason(error)}"
             logger.exception("engine rebuild failed; the engine stays down")
             return
         self.loop_task = None
@@ -329,8 +397,10 @@ class EngineActor:
         self.dead_reason = None
         logger.info("engine rebuilt (%d so far); serving again", self.num_rebuilds)
 
-    async def ping(self) -> bool:
-        """Alive (even while rebuilding): what Ray Serve's replica health check asks."""
+    async def ping(self, client_id: str | None = None) -> bool:
+        """Alive (even while rebuilding): what Ray Serve's replica health check asks; keeps the ingress attached."""
+        if client_id is not None:
+            self._touch(client_id)
         return True
 
     async def drain(self) -> None:

@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ from starlette.types import Receive, Scope, Send
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import EngineActor, EngineDrainingError
+from executor.engine_actor import (
+    REQUEST_LEASE_S,
+    EngineActor,
+    EngineDrainingError,
+    process_rss_bytes,
+    short_reason,
+)
 from executor.engine_core import validate_prompt
 from executor.executors import EngineDeadError, EngineOverloadedError
 from executor.output_processor import OutputProcessor, RequestState
@@ -54,6 +61,10 @@ from serve_app.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
+# Serve health-checks every replica every 10 s (each check pings the engines): six missed checks and no ingress is
+# left, so the engine ends itself.
+ENGINE_ORPHAN_TIMEOUT_S = 60.0
+DETACH_TIMEOUT_S = 10.0
 # Only a JSON text with a \uD800-\uDFFF escape can hold a lone surrogate once strictly decoded as UTF-8.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # Engine actors live in a namespace of their own, so operators and tests find them by name from any job.
@@ -91,15 +102,20 @@ def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
 
 
 def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
-    """A scheduler actor of this app; the first ingress replica creates it, the others find it by name."""
+    """A scheduler actor of this app; the first ingress replica creates it, the others find it by name.
+
+    Detached, so an ingress replica's death does not take it along (its replacement re-adopts it by name) and Ray
+    removes its placement group when it ends; it ends itself when its last ingress detaches or falls silent.
+    """
     engine_class = ray.remote(EngineActor)
     return engine_class.options(
         name=engine_actor_name(config.serve.app_name, replica_index),
         namespace=ENGINE_NAMESPACE,
         get_if_exists=True,
+        lifetime="detached",
         num_cpus=0,
         max_concurrency=10_000,
-    ).remote(config.engine_config(), replica_index)
+    ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
 def validate_payload(model: type[BaseModel], payload: Any) -> Any:
@@ -187,14 +203,11 @@ class OpenAIIngress:
         self.model_name = self.config.engine_config().model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
         settings = self.config.serve
-        engines = [get_or_create_engine(self.config, index) for index in range(settings.engine_replicas)]
-        infos = ray.get([engine.engine_info.remote() for engine in engines], timeout=ENGINE_READY_TIMEOUT_S)
+        creators = [functools.partial(get_or_create_engine, self.config, i) for i in range(settings.engine_replicas)]
+        self.clients = [EngineClient(create(), create) for create in creators]
+        infos = [self._attach(client) for client in self.clients]
         # Replicas may differ in KV capacity; validate against the strictest.
         self.engine_info = min(infos, key=lambda info: info["max_model_len"])
-        self.clients = [
-            EngineClient(engine, functools.partial(get_or_create_engine, self.config, index))
-            for index, engine in enumerate(engines)
-        ]
         # Tokenization (which releases the GIL) runs here, so a long prompt does not stall every other stream.
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.max_prompt_chars = self._max_prompt_chars()
@@ -219,6 +232,36 @@ class OpenAIIngress:
             ("POST", "/detokenize"): self.detokenize,
         }
         logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
+
+    def _attach(self, client: EngineClient) -> dict[str, Any]:
+        """Adopt the engine by name. One running another config (a redeploy) is replaced; one that is ending
+        (its last ingress just left) is waited out and created anew."""
+        wanted = self.config.engine_config().model_dump()
+        deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
+        while True:
+            try:
+                info = ray.get(client.engine.attach.remote(client.client_id), timeout=ENGINE_READY_TIMEOUT_S)
+                if info["engine_config"] == wanted:
+                    return info
+                logger.warning("the running engine has another config; replacing it")
+                ray.kill(client.engine)
+            except (ray.exceptions.RayActorError, EngineDrainingError) as error:
+                logger.warning("engine not available (%s); creating it again", short_reason(error))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no engine within {ENGINE_READY_TIMEOUT_S:.0f} s")
+            # A killed actor's name is freed a moment after it dies.
+            time.sleep(0.2)
+            client.engine = client.create_engine()
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica gracefully (delete, scale-down, redeploy, shutdown) after
+        its requests drained: detach, so the last replica to go ends the engines, workers and placement groups."""
+        for client in self.clients:
+            try:
+                await asyncio.wait_for(client.engine.detach.remote(client.client_id), DETACH_TIMEOUT_S)
+            except Exception as error:
+                logger.warning("detaching from the engine failed: %s", short_reason(error))
+        self.tokenizer_thread.shutdown(wait=False)
 
     def _max_prompt_chars(self) -> int | None:
         """Characters past which a prompt cannot fit the context whatever it says, so it is refused untokenized.
@@ -307,6 +350,15 @@ class OpenAIIngress:
         except EngineDeadError as error:
             response = error_response(503, f"the engine is unavailable: {error}", "ServiceUnavailableError")
         return response.status_code, json.loads(response.body)
+
+    async def request_state(self) -> dict[str, int]:
+        """Per-request state this replica holds, all zero when idle, and its memory (soak leak checks)."""
+        return {
+            "detokenizers": len(self.processor.requests),
+            "output_queues": sum(client.num_in_flight for client in self.clients),
+            "pending_aborts": sum(len(client.pending_aborts) for client in self.clients),
+            "rss_bytes": process_rss_bytes(),
+        }
 
     async def _check_engines(self) -> None:
         await asyncio.gather(*(client.check_health() for client in self.clients))

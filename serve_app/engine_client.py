@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import EngineDrainingError, background_task
+from executor.engine_actor import EngineDrainingError, background_task, short_reason
 from executor.engine_core import EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError
 
@@ -35,9 +35,9 @@ def unwrap_ray_error(error: BaseException) -> BaseException:
         cause = error.as_instanceof_cause()
         if isinstance(cause, ValueError | EngineDeadError | EngineOverloadedError | EngineDrainingError):
             return cause
-        return EngineDeadError(str(error))
+        return EngineDeadError(short_reason(error))
     if isinstance(error, ray.exceptions.RayActorError):
-        return EngineDeadError(f"the engine actor died: {error}")
+        return EngineDeadError(f"the scheduler actor died: {short_reason(error)}")
     return error
 
 
@@ -87,10 +87,10 @@ class EngineClient:
         while True:
             try:
                 engine = await asyncio.to_thread(self.create_engine)
-                await asyncio.wait_for(engine.engine_info.remote(), ENGINE_READY_TIMEOUT_S)
+                await asyncio.wait_for(engine.attach.remote(self.client_id), ENGINE_READY_TIMEOUT_S)
             except Exception as error:
                 # The dead actor's name can outlive it for a moment, and a start can fail: try again, slower.
-                self.restart_error = f"{type(error).__name__}: {error}"
+                self.restart_error = f"{type(error).__name__}: {short_reason(error)}"
                 logger.warning("scheduler actor restart attempt %d failed: %s", attempt + 1, self.restart_error)
                 await asyncio.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
                 attempt += 1
@@ -116,7 +116,7 @@ class EngineClient:
         if self.restarting:
             return
         try:
-            await self.engine.ping.remote()
+            await self.engine.ping.remote(self.client_id)
         except Exception as error:
             self.on_engine_error(error)
             if not self.restarting:
