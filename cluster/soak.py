@@ -232,10 +232,10 @@ def run_soak(config: AppConfig, soak: SoakConfig, base_url: str | None = None) -
 
 def format_soak_report(report: dict[str, Any]) -> str:
     def row(label: str, value: Any) -> str:
-        return f"{label:<40}{value}"
+        return f"{label:<44}{value}"
 
     lines = [
-        "{s:=^60}".format(s=" pagedserve soak "),
+        "{s:=^64}".format(s=" pagedserve soak "),
         row("Model:", report["model"]),
         row("Load time (s):", f"{report['load_s']:.1f} (arrivals for {report['duration_s']:.0f})"),
         row("Capacity (req/s, measured):", f"{report['capacity_req_per_s']:.2f}"),
@@ -257,7 +257,7 @@ def format_soak_report(report: dict[str, Any]) -> str:
         row("Request state left behind:", report["request_state_left"]),
         row("Result:", "PASS" if report["passed"] else "FAIL"),
         *[f"  - {failure}" for failure in report["failures"]],
-        "=" * 60,
+        "=" * 64,
     ]
     return "\n".join(lines)
 

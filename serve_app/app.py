@@ -256,12 +256,16 @@ class OpenAIIngress:
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica gracefully (delete, scale-down, redeploy, shutdown) after
         its requests drained: detach, so the last replica to go ends the engines, workers and placement groups."""
-        for client in self.clients:
+        # A replica whose __init__ failed half-way has less to release.
+        for client in getattr(self, "clients", []):
             try:
                 await asyncio.wait_for(client.engine.detach.remote(client.client_id), DETACH_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                pass  # the engine already ended (it may end before its answer to the last detach arrives)
             except Exception as error:
                 logger.warning("detaching from the engine failed: %s", short_reason(error))
-        self.tokenizer_thread.shutdown(wait=False)
+        if hasattr(self, "tokenizer_thread"):
+            self.tokenizer_thread.shutdown(wait=False)
 
     def _max_prompt_chars(self) -> int | None:
         """Characters past which a prompt cannot fit the context whatever it says, so it is refused untokenized.
