@@ -34,18 +34,20 @@ from cluster.bench_serve import run_benchmark, synthetic_prompts  # noqa: E402
 logger = logging.getLogger("run_matrix")
 MODEL_ID = "smollm2-135m-instruct"
 
-# name -> bench settings; all greedy with ignore_eos, streamed over HTTP.
+# name -> bench settings; all greedy with ignore_eos, streamed over HTTP. Each scenario has its own seed: prompts
+# of one seed share their first words, and a prefix-caching server would serve the next scenario from its cache.
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "64 streams": {"num_prompts": 64, "input_len": 48, "output_len": 64},
-    "1 stream": {"num_prompts": 6, "input_len": 48, "output_len": 64, "max_concurrency": 1},
-    "128-token prompt TTFT": {"num_prompts": 6, "input_len": 100, "output_len": 2, "max_concurrency": 1},
-    "1000-token prompt, cold": {"num_prompts": 5, "input_len": 750, "output_len": 2, "max_concurrency": 1},
+    "64 streams": {"num_prompts": 64, "input_len": 48, "output_len": 64, "seed": 11},
+    "1 stream": {"num_prompts": 6, "input_len": 48, "output_len": 64, "max_concurrency": 1, "seed": 12},
+    "128-token prompt TTFT": {"num_prompts": 6, "input_len": 100, "output_len": 2, "max_concurrency": 1, "seed": 13},
+    "1000-token prompt, cold": {"num_prompts": 5, "input_len": 750, "output_len": 2, "max_concurrency": 1, "seed": 14},
     "1000-token prompt, shared prefix": {
         "num_prompts": 6,
         "input_len": 8,
         "shared_prefix_words": 742,
         "output_len": 2,
         "max_concurrency": 1,
+        "seed": 15,
     },
 }
 
@@ -86,7 +88,6 @@ def bench_server(name: str, port: int) -> dict[str, dict[str, Any]]:
             "base_url": f"http://127.0.0.1:{port}/v1",
             "model": MODEL_ID,
             "disable_tqdm": True,
-            "seed": 1,
             **settings,
         }
         result = asyncio.run(run_benchmark(config))
@@ -106,7 +107,7 @@ def offline_figures(model_dir: str) -> dict[str, float]:
     figures = {}
     for scenario, concurrency in (("64 streams", None), ("1 stream", 1)):
         settings = SCENARIOS[scenario]
-        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], 1)
+        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"])
         start = time.perf_counter()
         if concurrency is None:
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -114,10 +115,11 @@ def offline_figures(model_dir: str) -> dict[str, float]:
             outputs = [output for prompt in prompts for output in llm.generate([prompt], params, use_tqdm=False)]
         elapsed = time.perf_counter() - start
         figures[f"{scenario} offline tok/s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
-    prompt_ids = llm.tokenizer(synthetic_prompts(1, 100, 9)[0]).input_ids[:128]
     one_token = SamplingParams(temperature=0, max_tokens=1)
     timings = []
-    for _ in range(5):
+    for attempt in range(5):
+        # A new prompt each time, so no prefix-cache hit shortens the forward.
+        prompt_ids = llm.tokenizer(synthetic_prompts(1, 100, 900 + attempt)[0]).input_ids[:128]
         start = time.perf_counter()
         llm.generate([prompt_ids], one_token, use_tqdm=False)
         timings.append(time.perf_counter() - start)
@@ -136,6 +138,7 @@ def main() -> int:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request buries the reports
     from model_executor.model_fetch import resolve_model
 
     model_dir = str(resolve_model(MODEL_ID))
@@ -157,7 +160,8 @@ def main() -> int:
         report["servers"]["pagedserve"] = bench_server("pagedserve", args.port)
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
-            result = asyncio.run(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 1, "baselines": True}))
+            # A fresh seed: the first run's prompts are in the prefix cache now.
+            result = asyncio.run(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 21, "baselines": True}))
             report["baselines"] = result.get("baselines")
     finally:
         stop_server(ours)

@@ -18,6 +18,7 @@ from cuda_ext.cuda_graphs import (
     decode_buckets,
     pad_decode_inputs,
 )
+from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
 from model_executor.models import get_model_class
 from model_executor.parallel_state import ParallelContext
@@ -69,6 +70,9 @@ class ModelRunner:
             torch.set_default_dtype(previous_dtype)
         self.model.eval()
         load_safetensors_weights(self.model, model_info.model_dir, show_progress=show_progress)
+        for module in self.model.modules():
+            if isinstance(module, PackableWeight):
+                module.pack_weights()
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0

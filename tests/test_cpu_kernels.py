@@ -209,3 +209,22 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     os.utime(lock, (old, old))
     _remove_stale_build_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None:
+    from executor import LLM
+    from model_executor.layers.linear import PackableWeight, apply_linear, pack_weight_for_cpu
+
+    generator = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(960, 576, generator=generator), torch.randn(960, generator=generator)
+    packed = pack_weight_for_cpu(weight)
+    assert packed is not None
+    for rows in (1, 7, 64, 513):
+        x = torch.randn(rows, 576, generator=generator)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)
+    llm = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=16, show_progress=False)
+    modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
+    # q/k/v, o, gate/up and down per layer, plus the LM head.
+    assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
+    assert all(module.packed_weight is not None for module in modules)

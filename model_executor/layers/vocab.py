@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.layers.linear import copy_into
+from model_executor.layers.linear import PackableWeight, apply_linear, copy_into
 from model_executor.parallel_state import ParallelContext
 
 
@@ -37,9 +37,9 @@ class VocabParallelEmbedding(nn.Module):
         copy_into(self.weight.data[:rows], loaded_weight[self.vocab_start : self.vocab_end])
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     """Logits over the vocabulary: each rank scores its own token ids, then the slices are gathered."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local_logits = hidden_states @ self.weight.t()
+        local_logits = apply_linear(hidden_states, self.weight, self.packed_weight)
         return self.parallel.all_gather_last_dim(local_logits)[:, : self.vocab_size]
