@@ -24,8 +24,9 @@ from executor.executors import EngineDeadError, EngineOverloadedError
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
-# A queue nobody has read for this long while outputs pile up belongs to a request whose reader is gone.
-ORPHAN_QUEUE_S = 30.0
+# A queue nobody has read for this long while outputs pile up belongs to a request whose reader is gone. Long:
+# on a saturated machine a live stream can stall on a slow client or proxy for tens of seconds.
+ORPHAN_QUEUE_S = 300.0
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -154,6 +155,8 @@ class EngineClient:
         for request_id, queue in list(self.queues.items()):
             if queue.qsize() and self.last_read.get(request_id, 0.0) < deadline:
                 logger.warning("request %s has had no reader for %.0f s; aborting it", request_id, ORPHAN_QUEUE_S)
+                # Should a reader still be there after all, it gets an error instead of waiting forever.
+                queue.put_nowait(TimeoutError(f"request {request_id} was not read for {ORPHAN_QUEUE_S:.0f} s"))
                 self.cancel(request_id)
 
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
