@@ -85,6 +85,8 @@ class EngineActor:
         self.terminating = False
         self.reaper_task: asyncio.Task | None = None
         self.early_aborts: dict[str, float] = {}
+        # Kept apart from client_failures, which a new add_request clears: only the client's next poll may.
+        self.client_lease_failures: dict[str, tuple[str, float]] = {}
         self.draining = False
         self.core: EngineCore | None = None
         self.start_task: asyncio.Task | None = None
@@ -137,8 +139,9 @@ class EngineActor:
     def _touch(self, client_id: str) -> None:
         self.client_seen[client_id] = self.last_client_activity = time.monotonic()
 
-    def _forget_client(self, client_id: str) -> list[str]:
-        """Drop a client and abort its requests (nobody reads them any more); returns their ids."""
+    def _forget_client(self, client_id: str, failure: str | None = None) -> list[str]:
+        """Drop a client and abort its requests (nobody reads them any more); returns their ids. With `failure`,
+        a client that polls again after all learns its requests were ended, instead of waiting for them."""
         request_ids = [request_id for request_id, owner in self.request_client.items() if owner == client_id]
         if request_ids and self.core is not None:
             self.core.abort_request(request_ids)
@@ -146,6 +149,8 @@ class EngineActor:
             self.request_client.pop(request_id, None)
         for table in (self.client_seen, self.client_outputs, self.client_events, self.client_failures):
             table.pop(client_id, None)
+        if failure is not None:
+            self.client_lease_failures[client_id] = (failure, time.monotonic())
         return request_ids
 
     async def _watch_clients(self) -> None:
@@ -158,10 +163,14 @@ class EngineActor:
             polling = set(self.request_client.values())
             for client_id, seen in list(self.client_seen.items()):
                 if client_id in polling and seen < now - self.request_lease_s:
-                    request_ids = self._forget_client(client_id)
+                    failure = f"the ingress did not poll for {self.request_lease_s:.0f} s; its requests were aborted"
+                    request_ids = self._forget_client(client_id, failure)
                     logger.warning("ingress %s went silent: aborted its %d requests", client_id, len(request_ids))
                 elif seen < now - CLIENT_LEASE_S:
                     self._forget_client(client_id)
+            for client_id, (_, since) in list(self.client_lease_failures.items()):
+                if since < now - CLIENT_LEASE_S:
+                    del self.client_lease_failures[client_id]  # that ingress is gone for good
             if self.orphan_timeout_s is not None and now - self.last_client_activity > self.orphan_timeout_s:
                 logger.warning("no ingress for %.0f s: this engine ends itself", self.orphan_timeout_s)
                 await self._terminate()
@@ -256,6 +265,8 @@ class EngineActor:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
         self._touch(client_id)
         failure = self.client_failures.pop(client_id, None)
+        if failure is None and client_id in self.client_lease_failures:
+            failure = self.client_lease_failures.pop(client_id)[0]
         if failure is not None:
             raise EngineDeadError(failure)
         await self._started()

@@ -24,9 +24,9 @@ from executor.executors import EngineDeadError, EngineOverloadedError
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
-# A queue nobody has read for this long while outputs pile up belongs to a request whose reader is gone. Long:
-# on a saturated machine a live stream can stall on a slow client or proxy for tens of seconds.
-ORPHAN_QUEUE_S = 300.0
+# A request whose outputs nobody started reading this long after it was queued has lost its reader. A reader that
+# is there but slow (a slow client, a saturated proxy) is never reaped, however long it stalls.
+ORPHAN_QUEUE_S = 120.0
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -54,7 +54,8 @@ class EngineClient:
         self.create_engine = create_engine
         self.client_id = uuid.uuid4().hex
         self.queues: dict[str, asyncio.Queue] = {}
-        self.last_read: dict[str, float] = {}
+        self.queued_at: dict[str, float] = {}
+        self.reading: set[str] = set()
         self.pump_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
         self.pending_aborts: set[str] = set()
@@ -150,13 +151,11 @@ class EngineClient:
                     queue.put_nowait(request_outputs)
 
     def _drop_orphans(self) -> None:
-        """Abort requests whose outputs pile up unread: their reader is gone without saying so."""
+        """Abort requests that nobody ever started reading: their reader is gone without saying so."""
         deadline = time.monotonic() - ORPHAN_QUEUE_S
-        for request_id, queue in list(self.queues.items()):
-            if queue.qsize() and self.last_read.get(request_id, 0.0) < deadline:
-                logger.warning("request %s has had no reader for %.0f s; aborting it", request_id, ORPHAN_QUEUE_S)
-                # Should a reader still be there after all, it gets an error instead of waiting forever.
-                queue.put_nowait(TimeoutError(f"request {request_id} was not read for {ORPHAN_QUEUE_S:.0f} s"))
+        for request_id in list(self.queues):
+            if request_id not in self.reading and self.queued_at.get(request_id, 0.0) < deadline:
+                logger.warning("request %s found no reader in %.0f s; aborting it", request_id, ORPHAN_QUEUE_S)
                 self.cancel(request_id)
 
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -165,7 +164,7 @@ class EngineClient:
         client still gets a plain HTTP error."""
         self._raise_if_restarting()
         self.queues[request_id] = asyncio.Queue()
-        self.last_read[request_id] = time.monotonic()
+        self.queued_at[request_id] = time.monotonic()
         try:
             await self.engine.add_request.remote(self.client_id, request_id, list(prompt_token_ids), params)
         except Exception as error:
@@ -180,26 +179,29 @@ class EngineClient:
 
         Leaving early (client gone, stop string, timeout) aborts the request in the engine, which frees its blocks.
         """
-        queue = self.queues[request_id]
+        queue = self.queues.get(request_id)
+        if queue is None:
+            raise EngineDeadError(f"request {request_id} was aborted: nobody read it for {ORPHAN_QUEUE_S:.0f} s")
         num_unfinished = num_completions
+        self.reading.add(request_id)
         try:
             while num_unfinished:
-                self.last_read[request_id] = time.monotonic()
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 num_unfinished -= sum(1 for output in item if output.finish_reason is not None)
                 yield item
         finally:
+            self.reading.discard(request_id)
             if num_unfinished:
                 self.cancel(request_id)
             else:
                 self.queues.pop(request_id, None)
-                self.last_read.pop(request_id, None)
+                self.queued_at.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """Drop a submitted request nobody will read and abort it in the engine (idempotent, never waits)."""
-        self.last_read.pop(request_id, None)
+        self.queued_at.pop(request_id, None)
         if self.queues.pop(request_id, None) is None:
             return
         self.pending_aborts.add(request_id)
