@@ -202,16 +202,16 @@ def _greedy_tokens(llm, prompts: list[list[int]], max_tokens: int) -> list[list[
 GRAPH_PROMPTS = [[1, *range(100 + i, 100 + i + length)] for i, length in enumerate([3, 14, 15, 16, 30, 1, 47])]
 
 
-def test_padded_decode_path_gives_the_eager_engines_tokens() -> None:
-    """cuda_graphs=padded runs every decode step through the graph path (bucket padding, block tables cut,
-    metadata from device tensors) without capture, so the CPU checks what the GPU would replay."""
+def _tokens_and_runners_per_mode(modes: tuple[str, ...], device: str) -> tuple[dict, dict]:
+    """Greedy tokens of GRAPH_PROMPTS and the model runner, per cuda_graphs mode (buckets capped at 5 seqs)."""
     from executor import LLM
 
     outputs, runners = {}, {}
-    for mode in ("auto", "padded"):
+    for mode in modes:
         llm = LLM(
             model="tiny-random-llama",
-            device="cpu",
+            device=device,
+            dtype="float32",
             num_kv_blocks=96,
             max_num_seqs=5,
             cuda_graphs=mode,
@@ -220,6 +220,14 @@ def test_padded_decode_path_gives_the_eager_engines_tokens() -> None:
         )
         outputs[mode] = _greedy_tokens(llm, GRAPH_PROMPTS, max_tokens=24)
         runners[mode] = llm.engine.core.executor.worker.runner
+    return outputs, runners
+
+
+def test_padded_decode_path_gives_the_eager_engines_tokens() -> None:
+    """cuda_graphs=padded runs every decode step through the graph path (bucket padding, block tables cut,
+    metadata from device tensors) without capture, so the CPU checks what the GPU would replay."""
+
+    outputs, runners = _tokens_and_runners_per_mode(("auto", "padded"), device="cpu")
     assert outputs["padded"] == outputs["auto"]
     assert all(len(tokens) == 24 for tokens in outputs["auto"])
     assert runners["auto"].decode_graphs is None  # auto on CPU: eager, no padding
@@ -271,24 +279,10 @@ def test_decode_metadata_from_tensors_matches_the_list_built_one_on_torch_backen
 @needs_cuda
 def test_engine_replays_captured_decode_graphs_with_eager_tokens() -> None:
     from cuda_ext.kernels import unified_attention
-    from executor import LLM
 
     if unified_attention.INTERPRETED:
         pytest.skip("this process interprets Triton kernels (TRITON_INTERPRET=1); a graph needs compiled ones")
-    outputs, runners = {}, {}
-    for mode in ("off", "auto"):
-        llm = LLM(
-            model="tiny-random-llama",
-            device="cuda",
-            dtype="float32",
-            num_kv_blocks=96,
-            max_num_seqs=5,
-            cuda_graphs=mode,
-            cuda_graph_max_batch_size=8,
-            show_progress=False,
-        )
-        outputs[mode] = _greedy_tokens(llm, GRAPH_PROMPTS, max_tokens=24)
-        runners[mode] = llm.engine.core.executor.worker.runner
+    outputs, runners = _tokens_and_runners_per_mode(("off", "auto"), device="cuda")
     assert outputs["auto"] == outputs["off"]
     graphs = runners["auto"].decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 5]
