@@ -80,7 +80,29 @@ def stop_server(process: Any) -> None:
         process.wait(timeout=30)
 
 
-def bench_server(name: str, port: int) -> dict[str, dict[str, Any]]:
+def process_tree_cpu_s(root_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by each process under `root_pid`, summed per process title (Ray names its actors)."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return totals
+    for process in processes:
+        try:
+            with process.oneshot():
+                title = " ".join(process.cmdline()[:1]) or process.name()
+                times = process.cpu_times()
+        except psutil.Error:
+            continue
+        title = title.rsplit("/", 1)[-1][:60]
+        totals[title] = totals.get(title, 0.0) + times.user + times.system
+    return totals
+
+
+def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, Any]]:
     results = {}
     for scenario, settings in SCENARIOS.items():
         logger.info("%s: %s", name, scenario)
@@ -90,9 +112,15 @@ def bench_server(name: str, port: int) -> dict[str, dict[str, Any]]:
             "disable_tqdm": True,
             **settings,
         }
+        before, client_before = process_tree_cpu_s(server_pid), time.process_time()
         result = asyncio.run(run_benchmark(config))
+        after, client_s = process_tree_cpu_s(server_pid), time.process_time() - client_before
         ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
         results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
+        # Where the machine's CPU went during the run: each server process, and this benchmark client.
+        used = {title: seconds - before.get(title, 0.0) for title, seconds in after.items()}
+        used = {title: seconds for title, seconds in used.items() if seconds >= 0.05}
+        results[scenario]["cpu_s"] = {**dict(sorted(used.items(), key=lambda item: -item[1])), "bench client": client_s}
     return results
 
 
@@ -125,6 +153,22 @@ def offline_figures(model_dir: str) -> dict[str, float]:
         timings.append(time.perf_counter() - start)
     figures["128-token prefill forward ms"] = sorted(timings)[len(timings) // 2] * 1000
     figures["128-token prompt tokens"] = len(prompt_ids)
+    # The same engine, in this process, beside an idle Ray cluster: what Ray's own background work costs the model.
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        time.sleep(5)  # past the cluster's start-up work
+        settings = SCENARIOS["64 streams"]
+        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"] + 100)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        figures["64 streams offline beside idle Ray tok/s"] = (
+            sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+        )
+    finally:
+        ray.shutdown()
     return figures
 
 
@@ -157,7 +201,7 @@ def main() -> int:
         600,
     )
     try:
-        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port)
+        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid)
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
             # A fresh seed: the first run's prompts are in the prefix cache now.
@@ -173,7 +217,7 @@ def main() -> int:
         command += ["--max-model-len", "2048"]
         vllm = start_server(command, env, args.vllm_port, logs / "vllm.log", 900)
         try:
-            report["servers"]["vllm-cpu"] = bench_server("vllm-cpu", args.vllm_port)
+            report["servers"]["vllm-cpu"] = bench_server("vllm-cpu", args.vllm_port, vllm.pid)
         finally:
             stop_server(vllm)
 
@@ -238,8 +282,31 @@ def print_report(report: dict[str, Any]) -> None:
         ratios["1 stream tok/s vs batch-1 roofline"] = (
             ours["1 stream"]["output_throughput"] / baselines["roofline_batch1_tok_per_s"]
         )
+    ratios["offline beside idle Ray / offline, 64 streams"] = (
+        offline["64 streams offline beside idle Ray tok/s"] / offline["64 streams offline tok/s"]
+    )
+    if baselines:
+        ceiling = baselines["ceiling"]
+        print(
+            f"64-stream workload ceiling (linears alone, {ceiling['prompt_tokens']} prompt tokens at "
+            f"{ceiling['prefill_gflop_per_s']:.0f} GFLOP/s, decode at {ceiling['decode_gflop_per_s']:.0f} GFLOP/s): "
+            f"{ceiling['output_tok_per_s']:.1f} tok/s; TTFT p50 floor {baselines['ttft_p50_floor_ms']:.0f} ms"
+        )
+        ratios["64 streams tok/s vs workload ceiling"] = baselines["ratio_ours_vs_ceiling"]
+        if "vllm-cpu" in servers:
+            peer = servers["vllm-cpu"]["64 streams"]
+            ratios["workload ceiling vs vLLM 64 streams tok/s"] = (
+                ceiling["output_tok_per_s"] / peer["output_throughput"]
+            )
+            ratios["TTFT p50 floor vs vLLM 64 streams TTFT p50"] = (
+                baselines["ttft_p50_floor_ms"] / peer["median_ttft_ms"]
+            )
     for label, value in ratios.items():
         print(f"{label}: {value:.2f}x")
+    print("\nCPU seconds during the 64-stream run:")
+    for name, figures in servers.items():
+        used = figures["64 streams"].get("cpu_s", {})
+        print(f"  {name}: " + ", ".join(f"{title} {seconds:.1f}" for title, seconds in used.items()))
 
 
 if __name__ == "__main__":

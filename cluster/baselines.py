@@ -115,6 +115,9 @@ def hf_generate_throughput(
             )
             runs.append(run)
     progress.close()
+    prompt_token_counts = [len(tokenizer(text, add_special_tokens=not chat).input_ids) for text in texts]
+    for run in runs:
+        run["prompt_token_counts"] = prompt_token_counts
     return runs
 
 
@@ -154,8 +157,10 @@ def matmul_roofline(
     device: str = "auto",
     dtype: str = "auto",
     show_progress: bool = True,
+    include_lm_head: bool = True,
 ) -> dict[str, Any]:
-    """Time one "decode step" of our model's linear layers alone at `batch_size` tokens.
+    """Time one "decode step" of our model's linear layers alone at `batch_size` tokens (without the LM head:
+    a prefill chunk's matmuls, whose rows but the last never reach the LM head).
 
     The weights are those `ModelRunner` loads (device and dtype resolved as the engine does: float32 on CPU); the
     inputs are random activations of each layer's input width, made once. Each timed step runs every layer's
@@ -168,7 +173,7 @@ def matmul_roofline(
         raise ValueError(f"batch_size and iterations must be >= 1 and warmup >= 0, got {batch_size}, {iterations}")
     runner = _load_runner(str(Path(model_dir).resolve()), device, dtype)
     model = runner.model
-    linears = decode_linears(model)
+    linears = [(name, module) for name, module in decode_linears(model) if include_lm_head or name != "lm_head"]
     weights = [module.weight for _, module in linears]
     run_device = weights[0].device
     run_dtype = weights[0].dtype
@@ -206,6 +211,7 @@ def matmul_roofline(
     weight_bytes = sum(weight.numel() * weight.element_size() for weight in weights)
     result = {
         "batch_size": batch_size,
+        "include_lm_head": include_lm_head,
         "iterations": iterations,
         "warmup": warmup,
         "step_time_s": step_time,
@@ -229,3 +235,43 @@ def matmul_roofline(
         result["gflop_per_s"],
     )
     return result
+
+
+def workload_ceiling(
+    model_dir: str | Path,
+    prompt_token_counts: Sequence[int],
+    output_len: int,
+    prefill_chunk_tokens: int = 512,
+    iterations: int = 10,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """The fastest this machine can serve a burst of requests (all sent at once, `output_len` tokens each) when
+    nothing but our linear layers ran: a lower bound on time that no scheduler or server can beat.
+
+    Every prompt token goes through the layers' matmuls once (timed at `prefill_chunk_tokens` rows, the
+    engine's chunk), then every later token of every request through one decode step at the full batch, LM head
+    included. Attention, norms, sampling, the first tokens' LM head rows and all serving work come on top.
+    The TTFT p50 floor prefills the requests one after another, in arrival order, at that same rate.
+    """
+    num_requests = len(prompt_token_counts)
+    prefill = matmul_roofline(
+        model_dir, prefill_chunk_tokens, iterations, show_progress=show_progress, include_lm_head=False
+    )
+    decode = matmul_roofline(model_dir, num_requests, iterations, show_progress=show_progress)
+    prefill_s_per_token = prefill["step_time_s"] / prefill_chunk_tokens
+    prefill_s = prefill_s_per_token * sum(prompt_token_counts)
+    decode_s = decode["step_time_s"] * (output_len - 1)
+    half = -(-num_requests // 2)
+    ttft_p50_floor_s = prefill_s_per_token * sum(prompt_token_counts[:half])
+    return {
+        "num_requests": num_requests,
+        "prompt_tokens": sum(prompt_token_counts),
+        "output_len": output_len,
+        "prefill_chunk_tokens": prefill_chunk_tokens,
+        "prefill_gflop_per_s": prefill["gflop_per_s"],
+        "decode_gflop_per_s": decode["gflop_per_s"],
+        "prefill_linears_s": prefill_s,
+        "decode_linears_s": decode_s,
+        "output_tok_per_s": num_requests * output_len / (prefill_s + decode_s),
+        "ttft_p50_floor_s": ttft_p50_floor_s,
+    }

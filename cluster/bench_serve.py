@@ -268,8 +268,17 @@ def format_baselines(baselines: dict[str, Any]) -> str:
         lines.append(
             row(f"  linears-only step, batch {roofline['batch_size']} (ms):", f"{roofline['step_time_s'] * 1e3:.2f}")
         )
+    ceiling = baselines["ceiling"]
+    lines.append(row("Workload ceiling, linears only (tok/s):", f"{ceiling['output_tok_per_s']:.2f}"))
+    lines.append(
+        row(
+            "  prefill / decode linears (s):", f"{ceiling['prefill_linears_s']:.2f} / {ceiling['decode_linears_s']:.2f}"
+        )
+    )
+    lines.append(row("  TTFT p50 floor (ms):", f"{baselines['ttft_p50_floor_ms']:.1f}"))
     lines.append(row("Ours / HF best:", f"{baselines['ratio_ours_vs_hf_best']:.3f}"))
     lines.append(row(f"Ours / roofline (batch {batch}):", f"{baselines['ratio_ours_vs_roofline']:.3f}"))
+    lines.append(row("Ours / workload ceiling:", f"{baselines['ratio_ours_vs_ceiling']:.3f}"))
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -440,7 +449,7 @@ def run_baselines(
     """
     import torch
 
-    from cluster.baselines import hf_generate_throughput, matmul_roofline
+    from cluster.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
 
     show_progress = not config.disable_tqdm
     logger.info("baselines on %d prompts, %d tokens out, model %s", len(prompts), config.output_len, model_dir)
@@ -459,6 +468,13 @@ def run_baselines(
         roofline
         if batch == 1
         else matmul_roofline(model_dir, 1, config.roofline_iterations, show_progress=show_progress)
+    )
+    ceiling = workload_ceiling(
+        model_dir,
+        best["prompt_token_counts"],
+        config.output_len,
+        iterations=config.roofline_iterations,
+        show_progress=show_progress,
     )
     ours = summary["output_throughput"]
     # The HTTP run's input tokens (server usage, successful requests) should equal HF's unpadded prompt tokens.
@@ -485,6 +501,10 @@ def run_baselines(
         "roofline_batch1_tok_per_s": roofline_batch1["tok_per_s"],
         "ratio_ours_vs_hf_best": ours / best["output_tok_per_s"],
         "ratio_ours_vs_roofline": ours / roofline["tok_per_s"],
+        "ceiling": ceiling,
+        "ceiling_tok_per_s": ceiling["output_tok_per_s"],
+        "ratio_ours_vs_ceiling": ours / ceiling["output_tok_per_s"],
+        "ttft_p50_floor_ms": ceiling["ttft_p50_floor_s"] * 1000,
     }
 
 

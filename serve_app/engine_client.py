@@ -7,11 +7,12 @@ gone is replaced: the client creates (or adopts, by name) a new one and serves a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import ray
@@ -40,6 +41,27 @@ def unwrap_ray_error(error: BaseException) -> BaseException:
     if isinstance(error, ray.exceptions.RayActorError):
         return EngineDeadError(f"the scheduler actor died: {short_reason(error)}")
     return error
+
+
+def merge_outputs(batches: Iterable[list[EngineOutput]]) -> list[EngineOutput]:
+    """Steps that piled up for one request (its reader fell behind) as one output per completion, in order.
+
+    A reader that keeps up sees one step at a time; one that lags (a saturated ingress, a slow client) gets one
+    larger delta per completion instead of one SSE event per step, so falling behind gets cheaper, not worse.
+    """
+    merged: dict[int, EngineOutput] = {}
+    for batch in batches:
+        for output in batch:
+            earlier = merged.get(output.index)
+            if earlier is None:
+                merged[output.index] = dataclasses.replace(
+                    output, new_token_ids=list(output.new_token_ids), new_logprobs=list(output.new_logprobs)
+                )
+                continue
+            earlier.new_token_ids.extend(output.new_token_ids)
+            earlier.new_logprobs.extend(output.new_logprobs)
+            earlier.finish_reason, earlier.stop_reason = output.finish_reason, output.stop_reason
+    return list(merged.values())
 
 
 class EngineClient:
@@ -175,7 +197,8 @@ class EngineClient:
         self._ensure_pump()
 
     async def outputs(self, request_id: str, num_completions: int) -> AsyncIterator[list[EngineOutput]]:
-        """Yields a submitted request's outputs per engine step until every completion finished.
+        """Yields a submitted request's outputs, one list per engine step while the reader keeps up (steps that
+        piled up come merged, one output per completion), until every completion finished.
 
         Leaving early (client gone, stop string, timeout) aborts the request in the engine, which frees its blocks.
         """
@@ -186,11 +209,16 @@ class EngineClient:
         self.reading.add(request_id)
         try:
             while num_unfinished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                num_unfinished -= sum(1 for output in item if output.finish_reason is not None)
-                yield item
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                outputs = merge_outputs(item for item in items if not isinstance(item, BaseException))
+                if outputs:
+                    num_unfinished -= sum(1 for output in outputs if output.finish_reason is not None)
+                    yield outputs
+                errors = [item for item in items if isinstance(item, BaseException)]
+                if errors and num_unfinished:
+                    raise errors[0]
         finally:
             self.reading.discard(request_id)
             if num_unfinished:

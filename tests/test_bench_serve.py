@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from cluster.baselines import hf_generate_throughput, matmul_roofline
+from cluster.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
 from cluster.bench_serve import (
     BenchConfig,
     RequestRecord,
@@ -190,6 +190,19 @@ def test_matmul_roofline_on_the_tiny_model(tiny_model_dir):
         # hidden 64, 4 heads / 2 KV heads of 16, intermediate 128, vocab 49152, untied LM head.
         per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 128 + 128 * 64
         assert result["linear_params"] == 2 * per_layer + 49152 * 64
+    prefill = matmul_roofline(tiny_model_dir, 8, iterations=2, show_progress=False, include_lm_head=False)
+    assert prefill["num_matmuls"] == 2 * 4 and prefill["linear_params"] == 2 * per_layer
+
+
+def test_workload_ceiling_adds_up_the_prefill_and_decode_matmuls(tiny_model_dir):
+    prompt_token_counts = [30, 10, 20, 40]
+    ceiling = workload_ceiling(tiny_model_dir, prompt_token_counts, 5, prefill_chunk_tokens=32, iterations=3)
+    assert ceiling["num_requests"] == 4 and ceiling["prompt_tokens"] == 100
+    assert ceiling["prefill_linears_s"] > 0 and ceiling["decode_linears_s"] > 0
+    total_s = ceiling["prefill_linears_s"] + ceiling["decode_linears_s"]
+    assert ceiling["output_tok_per_s"] == pytest.approx(4 * 5 / total_s)
+    # The first half of the burst (two requests, 40 of the 100 prompt tokens) is prefilled first.
+    assert ceiling["ttft_p50_floor_s"] == pytest.approx(ceiling["prefill_linears_s"] * 40 / 100)
 
 
 def test_hf_generate_throughput_on_the_tiny_model(tiny_model_dir):
@@ -348,8 +361,15 @@ def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, t
     assert baselines["roofline_tok_per_s"] > 0 and baselines["roofline_batch1_tok_per_s"] > 0
     assert baselines["ratio_ours_vs_hf_best"] > 0
     assert baselines["ratio_ours_vs_roofline"] > 0
+    # The ceiling covers the prompts the server saw, with every request's output tokens.
+    assert baselines["ceiling"]["prompt_tokens"] == saved["summary"]["total_input_tokens"]
+    assert baselines["ceiling"]["num_requests"] == 8 and baselines["ceiling"]["output_len"] == 4
+    assert baselines["ratio_ours_vs_ceiling"] == pytest.approx(
+        saved["summary"]["output_throughput"] / baselines["ceiling_tok_per_s"]
+    )
     printed = capsys.readouterr().out
     assert "Baselines" in printed and "Ours / HF best:" in printed and "Ours / roofline" in printed
+    assert "Workload ceiling" in printed and "TTFT p50 floor" in printed
 
 
 def test_chat_endpoint_and_shared_prefix(bench_url):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -77,3 +78,51 @@ def test_dead_worker_fails_requests_fast_and_health_says_so(engine):
 
 def _worker_handle(engine):
     return ray.get(engine.worker_handles.remote())[0]
+
+
+def test_a_reader_that_falls_behind_gets_the_piled_up_steps_as_one_output(engine):
+    """Steps produced while nobody read come as one output per completion, the same tokens in the same order."""
+    from serve_app.engine_client import EngineClient
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def read(client: EngineClient, request_id: str, wait_for_finish: bool) -> list[list]:
+        await client.submit(request_id, [5, 6, 7], params)
+        deadline = time.monotonic() + 60
+        while wait_for_finish:
+            assert time.monotonic() < deadline, "the request did not finish"
+            stats = await engine.stats.remote()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        if wait_for_finish:
+            await asyncio.sleep(0.2)  # the pump's last poll lands in the queue
+        return [list(outputs) async for outputs in client.outputs(request_id, 1)]
+
+    async def scenario() -> tuple[list, list]:
+        client = EngineClient(engine)
+        lagging = await asyncio.wait_for(read(client, "lagging", wait_for_finish=True), 120)
+        keeping_up = await asyncio.wait_for(read(client, "kept-up", wait_for_finish=False), 120)
+        return lagging, keeping_up
+
+    lagging, keeping_up = asyncio.run(scenario())
+    assert len(lagging) == 1 and len(lagging[0]) == 1
+    (merged,) = lagging[0]
+    assert merged.finish_reason == "length" and len(merged.new_token_ids) == 12
+    step_tokens = [token for outputs in keeping_up for output in outputs for token in output.new_token_ids]
+    assert merged.new_token_ids == step_tokens  # the same greedy tokens as a reader that kept up
+
+
+def test_merge_outputs_keeps_each_completions_tokens_in_order():
+    from executor.engine_core import EngineOutput
+    from serve_app.engine_client import merge_outputs
+
+    steps = [
+        [EngineOutput("r", 0, [1], []), EngineOutput("r", 1, [10], [])],
+        [EngineOutput("r", 0, [2], []), EngineOutput("r", 1, [11], [], "stop", 7)],
+        [EngineOutput("r", 0, [3], [], "length")],
+    ]
+    first, second = merge_outputs(steps)
+    assert (first.index, first.new_token_ids, first.finish_reason) == (0, [1, 2, 3], "length")
+    assert (second.index, second.new_token_ids, second.finish_reason, second.stop_reason) == (1, [10, 11], "stop", 7)
+    assert steps[0][0].new_token_ids == [1]  # the engine's outputs are not modified
