@@ -80,16 +80,16 @@ def stop_server(process: Any) -> None:
         process.wait(timeout=30)
 
 
-def process_tree_cpu_s(root_pid: int) -> dict[str, float]:
-    """CPU seconds used so far by each process under `root_pid`, summed per process title (Ray names its actors)."""
+def process_tree_cpu_s(root_pid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (title, CPU seconds used so far) of every process under `root_pid` (Ray titles its actors)."""
     import psutil
 
-    totals: dict[str, float] = {}
+    found: dict[int, tuple[str, float]] = {}
     try:
         root = psutil.Process(root_pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return totals
+        return found
     for process in processes:
         try:
             with process.oneshot():
@@ -97,9 +97,18 @@ def process_tree_cpu_s(root_pid: int) -> dict[str, float]:
                 times = process.cpu_times()
         except psutil.Error:
             continue
-        title = title.rsplit("/", 1)[-1][:60]
-        totals[title] = totals.get(title, 0.0) + times.user + times.system
-    return totals
+        # Ray appends the running method to an actor's title; the actor is the same process.
+        title = title.rsplit("/", 1)[-1].split(".")[0][:60]
+        found[process.pid] = (title, times.user + times.system)
+    return found
+
+
+def cpu_used_s(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each process title used between two snapshots, largest first (processes keyed by pid)."""
+    used: dict[str, float] = {}
+    for pid, (title, seconds) in after.items():
+        used[title] = used.get(title, 0.0) + seconds - before.get(pid, (title, 0.0))[1]
+    return {title: seconds for title, seconds in sorted(used.items(), key=lambda item: -item[1]) if seconds >= 0.05}
 
 
 def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, Any]]:
@@ -118,9 +127,7 @@ def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, A
         ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
         results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
         # Where the machine's CPU went during the run: each server process, and this benchmark client.
-        used = {title: seconds - before.get(title, 0.0) for title, seconds in after.items()}
-        used = {title: seconds for title, seconds in used.items() if seconds >= 0.05}
-        results[scenario]["cpu_s"] = {**dict(sorted(used.items(), key=lambda item: -item[1])), "bench client": client_s}
+        results[scenario]["cpu_s"] = {**cpu_used_s(before, after), "bench client": client_s}
     return results
 
 

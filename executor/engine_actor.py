@@ -381,8 +381,12 @@ class EngineActor:
         self.rebuild_task = background_task(self._rebuild())
 
     def _fail_in_flight(self, reason: str) -> None:
-        """Every client with requests in flight gets one EngineDeadError from its next get_outputs."""
+        """The engine is down: every client with requests in flight learns it from its next get_outputs."""
         self.dead_reason = reason
+        self._fail_clients(reason)
+
+    def _fail_clients(self, reason: str) -> None:
+        """Every client with requests in flight gets one EngineDeadError(reason) from its next get_outputs."""
         for client_id in set(self.request_client.values()):
             self.client_failures[client_id] = reason
             self.client_outputs.pop(client_id, None)
@@ -424,12 +428,7 @@ class EngineActor:
             return 0
         request_ids = list(self.core.children)
         self.core.abort_request(request_ids)
-        for client_id in set(self.request_client.values()):
-            self.client_failures[client_id] = reason
-            self.client_outputs.pop(client_id, None)
-        self.request_client.clear()
-        for event in self.client_events.values():
-            event.set()
+        self._fail_clients(reason)
         return len(request_ids)
 
     async def shutdown(self) -> None:
