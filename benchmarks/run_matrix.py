@@ -111,8 +111,14 @@ def cpu_used_s(before: dict[int, tuple[str, float]], after: dict[int, tuple[str,
     return {title: seconds for title, seconds in sorted(used.items(), key=lambda item: -item[1]) if seconds >= 0.05}
 
 
+IDLE_WINDOW_S = 20.0
+
+
 def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, Any]]:
-    results = {}
+    # What the server's processes burn with no request at all (heartbeats, metrics, polling loops).
+    before = process_tree_cpu_s(server_pid)
+    time.sleep(IDLE_WINDOW_S)
+    results: dict[str, dict[str, Any]] = {"idle": {"cpu_s": cpu_used_s(before, process_tree_cpu_s(server_pid))}}
     for scenario, settings in SCENARIOS.items():
         logger.info("%s: %s", name, scenario)
         config = {
@@ -174,9 +180,44 @@ def offline_figures(model_dir: str) -> dict[str, float]:
         figures["64 streams offline beside idle Ray tok/s"] = (
             sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
         )
+        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"] + 200)
+        token_ids = [llm.tokenizer(prompt).input_ids for prompt in prompts]
+        figures["64 streams through the scheduler actor tok/s"] = scheduler_actor_tok_per_s(token_ids, params)
     finally:
         ray.shutdown()
     return figures
+
+
+def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
+    """Output tok/s of the serving path minus Serve and HTTP: an EngineActor with its model worker actor, fed and
+    polled in one batch per call from this process, as an ingress replica does."""
+    import ray
+
+    from configs.app_config import AppConfig
+    from executor.engine_actor import EngineActor
+
+    config = AppConfig.from_yaml(REPO / "configs" / "default.yaml").engine_config()
+    engine = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(config)
+
+    async def run(prefix: str, prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(
+            *[engine.add_request.remote("bench", f"{prefix}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        )
+        num_finished = num_tokens = 0
+        while num_finished < len(prompts):
+            for output in await engine.get_outputs.remote("bench"):
+                num_tokens += len(output.new_token_ids)
+                num_finished += output.finish_reason is not None
+        return num_tokens / (time.perf_counter() - start)
+
+    try:
+        ray.get(engine.engine_info.remote(), timeout=600)
+        asyncio.run(run("warmup", token_ids[:2]))
+        return asyncio.run(run("timed", token_ids))
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=60)
+        ray.kill(engine)
 
 
 def main() -> int:
@@ -292,6 +333,13 @@ def print_report(report: dict[str, Any]) -> None:
     ratios["offline beside idle Ray / offline, 64 streams"] = (
         offline["64 streams offline beside idle Ray tok/s"] / offline["64 streams offline tok/s"]
     )
+    # Where the HTTP gap sits: the Ray hop (scheduler actor -> worker actor) vs Serve's proxy, ingress and HTTP.
+    ratios["scheduler actor (Ray, no HTTP) / offline, 64 streams"] = (
+        offline["64 streams through the scheduler actor tok/s"] / offline["64 streams offline tok/s"]
+    )
+    ratios["HTTP / scheduler actor, 64 streams"] = (
+        ours["64 streams"]["output_throughput"] / offline["64 streams through the scheduler actor tok/s"]
+    )
     if baselines:
         ceiling = baselines["ceiling"]
         print(
@@ -310,10 +358,11 @@ def print_report(report: dict[str, Any]) -> None:
             )
     for label, value in ratios.items():
         print(f"{label}: {value:.2f}x")
-    print("\nCPU seconds during the 64-stream run:")
-    for name, figures in servers.items():
-        used = figures["64 streams"].get("cpu_s", {})
-        print(f"  {name}: " + ", ".join(f"{title} {seconds:.1f}" for title, seconds in used.items()))
+    for scenario, heading in (("idle", f"idle for {IDLE_WINDOW_S:.0f} s"), ("64 streams", "the 64-stream run")):
+        print(f"\nCPU seconds during {heading}:")
+        for name, figures in servers.items():
+            used = figures[scenario].get("cpu_s", {})
+            print(f"  {name}: " + ", ".join(f"{title} {seconds:.1f}" for title, seconds in used.items()))
 
 
 if __name__ == "__main__":
