@@ -36,6 +36,7 @@ class CacheSection(Section):
 class SchedulerSection(Section):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(128, ge=1)
+    prioritize_prefill: bool = False
     max_waiting_requests: int = Field(1024, ge=1, description="Queue cap; beyond it requests get 503 + Retry-After.")
     seed: int = 0
 

@@ -28,6 +28,11 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks; overrides the budget.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step (chunked prefill).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
+    prioritize_prefill: bool = Field(
+        False,
+        description="While requests wait and the KV cache has room, steps run prefills before running decodes: "
+        "a burst gets its first tokens sooner while the streams already running pause.",
+    )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."
     )

@@ -2,7 +2,8 @@
 
 There is no prefill phase or decode phase: each request has num_computed_tokens, and every step the scheduler
 decides how many tokens each request advances, under max_num_batched_tokens and max_num_seqs. Chunked
-prefill, prefix caching and recompute preemption fall out of that loop.
+prefill, prefix caching and recompute preemption fall out of that loop. With prioritize_prefill the loop visits
+prompts (half done, then waiting) before running decodes while the cache has room.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, eos_token_ids: Iterable[int]):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.prioritize_prefill = config.prioritize_prefill
         if max_model_len > num_kv_blocks * config.block_size:
             # A request that outgrew the whole cache could only be preempted, forever.
             raise ValueError(
@@ -87,22 +89,61 @@ class Scheduler:
         plan = StepPlan(finished_request_ids=self.finished_since_last_plan)
         self.finished_since_last_plan = []
         token_budget = self.max_num_batched_tokens
+        if self.prioritize_prefill:
+            prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+            if self._defer_decodes(prefilling):
+                # Prefill first: chunks in progress, then admissions, then decodes with what is left, never
+                # preempting for them (the cache had room for every decode's next block; short, one step waits).
+                token_budget = self._schedule_running(plan, prefilling, token_budget, allow_preemption=True)
+                token_budget = self._schedule_waiting(plan, token_budget)
+                self._schedule_running(plan, decoding, token_budget, allow_preemption=False)
+                return plan
+        token_budget = self._schedule_running(plan, list(self.running), token_budget, allow_preemption=True)
+        self._schedule_waiting(plan, token_budget)
+        return plan
 
-        # 1. Running requests, oldest first; blocks run out -> preempt the newest.
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+    def _defer_decodes(self, prefilling: list[Request]) -> bool:
+        """A prompt is being or waits to be prefilled, and the cache holds a full step of prompt blocks on top of
+        every running request's next block: under memory pressure the step is decode-first, as usual."""
+        num_admissible = min(len(self.waiting), self.max_num_seqs - len(self.running))
+        if not prefilling and num_admissible <= 0:
+            return False
+        prompt_blocks = -(-self.max_num_batched_tokens // self.kv_cache.block_size) + max(num_admissible, 0)
+        return self.kv_cache.num_free_blocks >= len(self.running) + prompt_blocks
+
+    def _preemption_victim(self, plan: StepPlan) -> Request | None:
+        """The newest running request this plan has not scheduled yet."""
+        for request in reversed(self.running):
+            if request.request_id not in plan.num_scheduled_tokens:
+                return request
+        return None
+
+    def _schedule_running(
+        self, plan: StepPlan, candidates: list[Request], token_budget: int, allow_preemption: bool
+    ) -> int:
+        """Running requests in the given order; blocks run out -> preempt the newest unscheduled one (or stop)."""
+        for request in candidates:
+            if token_budget <= 0:
+                break
+            if request.status == RequestStatus.PREEMPTED:
+                continue  # a victim of an earlier request in this pass
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
-            while new_block_ids is None:
-                victim = self.running.pop()
+            while new_block_ids is None and allow_preemption:
+                victim = self._preemption_victim(plan)
+                if victim is None:
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 plan.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
                 new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             if new_block_ids is None:
-                break
+                if allow_preemption:
+                    break
+                continue
             plan.cached_requests.append(
                 CachedRequestData(
                     request.request_id,
@@ -114,9 +155,10 @@ class Scheduler:
             request.num_tokens_sent = request.num_tokens
             plan.num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
-            index += 1
+        return token_budget
 
-        # 2. Waiting requests in arrival order, unless this step had to preempt.
+    def _schedule_waiting(self, plan: StepPlan, token_budget: int) -> int:
+        """Waiting requests in arrival order, unless this step had to preempt."""
         skipped: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             if plan.preempted_request_ids:
@@ -152,7 +194,7 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return plan
+        return token_budget
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Advance progress, append sampled tokens, finish requests that hit a stop condition."""

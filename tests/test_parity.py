@@ -81,11 +81,12 @@ def test_same_tokens_with_and_without_prefix_caching(tiny_model_dir, make_llm, h
     assert_no_leaked_blocks(llm)
 
 
-def test_long_prompt_chunked_prefill_matches_hf(tiny_model_dir, make_llm, hf_reference):
+@pytest.mark.parametrize("prioritize_prefill", [False, True])
+def test_long_prompt_chunked_prefill_matches_hf(tiny_model_dir, make_llm, hf_reference, prioritize_prefill):
     long_prompt = [random.Random(4).randrange(3, 49152) for _ in range(1000)]
     short_prompts = random_prompts(3, seed=5)
     expected = [hf_reference.greedy(tiny_model_dir, ids, 32) for ids in [long_prompt, *short_prompts]]
-    llm = make_llm(tiny_model_dir, max_num_batched_tokens=128)
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=128, prioritize_prefill=prioritize_prefill)
     outputs = llm.generate([long_prompt, *short_prompts], greedy(32), use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert_no_leaked_blocks(llm)

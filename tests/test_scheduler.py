@@ -168,6 +168,54 @@ def test_decodes_go_first_and_prefill_gets_the_remaining_budget() -> None:
     assert scheduler.requests["long"].num_output_tokens == 1
 
 
+def test_prioritize_prefill_runs_the_whole_prompt_before_running_decodes() -> None:
+    scheduler = make_scheduler(num_blocks=300, max_num_batched_tokens=128, prioritize_prefill=True)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("d1", prompt_of(10, 1), max_tokens=50))
+    scheduler.add_request(make_request("d2", prompt_of(10, 100), max_tokens=50))
+    step(scheduler, runner=runner)  # both prefilled, both decoding from now on
+    scheduler.add_request(make_request("long", prompt_of(1000, 5000), max_tokens=5))
+    for _ in range(7):
+        plan, updates = step(scheduler, runner=runner)
+        assert plan.num_scheduled_tokens == {"long": 128}
+        assert updates == []
+    # The last chunk leaves budget over: the paused decodes take it in the same step.
+    plan, updates = step(scheduler, runner=runner)
+    assert plan.num_scheduled_tokens == {"long": 1000 - 7 * 128, "d1": 1, "d2": 1}
+    assert {u.request.request_id for u in updates} == {"long", "d1", "d2"}
+    plan, _ = step(scheduler, runner=runner)
+    assert plan.num_scheduled_tokens == {"d1": 1, "d2": 1, "long": 1}
+
+
+def test_prioritize_prefill_admits_a_burst_before_decoding_it() -> None:
+    scheduler = make_scheduler(num_blocks=300, max_num_batched_tokens=32, prioritize_prefill=True)
+    runner = FakeRunner()
+    for index in range(8):
+        scheduler.add_request(make_request(f"r{index}", prompt_of(12, 100 * index), max_tokens=3))
+    first_tokens = []
+    while len(first_tokens) < 8:
+        plan, updates = step(scheduler, runner=runner)
+        # Nobody decodes while a prompt of the burst is still waiting or half done.
+        assert all(num > 1 for num in plan.num_scheduled_tokens.values()) or not scheduler.waiting
+        first_tokens += [u.request.request_id for u in updates if u.request.num_output_tokens == 1]
+    outputs, _ = run_to_completion(scheduler, runner=runner)
+    assert sorted(first_tokens) == [f"r{index}" for index in range(8)]
+    assert all(len(tokens) == 2 for tokens in outputs.values())
+    assert_all_blocks_free(scheduler)
+
+
+def test_prioritize_prefill_is_decode_first_when_the_cache_is_short() -> None:
+    # Two decodes hold 6 of 40 blocks: a 128-token step of new prompt blocks (32) plus theirs does not fit the rest.
+    scheduler = make_scheduler(num_blocks=40, max_num_batched_tokens=128, prioritize_prefill=True)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("d1", prompt_of(10, 1), max_tokens=50))
+    scheduler.add_request(make_request("d2", prompt_of(10, 100), max_tokens=50))
+    step(scheduler, runner=runner)
+    scheduler.add_request(make_request("long", prompt_of(100, 5000), max_tokens=5))
+    plan, _ = step(scheduler, runner=runner)
+    assert plan.num_scheduled_tokens == {"d1": 1, "d2": 1, "long": 100}
+
+
 def test_waiting_request_waits_while_running_prefill_uses_the_budget() -> None:
     scheduler = make_scheduler(num_blocks=300, max_num_batched_tokens=128)
     scheduler.add_request(make_request("first", prompt_of(300, 1), max_tokens=2))
@@ -579,8 +627,9 @@ def test_gated_sibling_keeps_its_place_in_the_queue() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["r"]
 
 
+@pytest.mark.parametrize("prioritize_prefill", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workload_keeps_every_invariant(seed: int) -> None:
+def test_random_workload_keeps_every_invariant(seed: int, prioritize_prefill: bool) -> None:
     """Shared prefixes, n > 1 siblings, aborts, EOS, chunked prefill and preemption mixed at random."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
@@ -591,6 +640,7 @@ def test_random_workload_keeps_every_invariant(seed: int) -> None:
         max_num_batched_tokens=rng.choice([1, 3, 8, 32, 128]),
         max_num_seqs=rng.choice([1, 2, 4, 64]),
         enable_prefix_caching=rng.random() < 0.7,
+        prioritize_prefill=prioritize_prefill,
     )
     runner = FakeRunner()
     pool = scheduler.kv_cache.pool
