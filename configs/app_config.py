@@ -37,6 +37,7 @@ class SchedulerSection(Section):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(128, ge=1)
     prioritize_prefill: bool = False
+    stream_interval: int = Field(1, ge=1, description="Tokens per streamed chunk (first and last at once).")
     max_waiting_requests: int = Field(1024, ge=1, description="Queue cap; beyond it requests get 503 + Retry-After.")
     seed: int = 0
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Container, Coroutine, Sequence
 from typing import Any
 
 from configs.engine_config import EngineConfig
@@ -63,6 +64,60 @@ def process_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class StreamIntervalBuffer:
+    """Holds each completion's new tokens until `interval` of them are due; its first token and its finishing
+    output go out at once. With an interval of 1 every output passes straight through."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.held: dict[tuple[str, int], EngineOutput] = {}
+        self.started: set[tuple[str, int]] = set()
+
+    def __len__(self) -> int:
+        return len(self.held) + len(self.started)
+
+    def push(self, output: EngineOutput) -> EngineOutput | None:
+        """The output to hand on now (the held tokens merged in front), or None while it is held."""
+        if self.interval == 1:
+            return output
+        key = (output.request_id, output.index)
+        held = self.held.pop(key, None)
+        if held is not None:
+            held.new_token_ids.extend(output.new_token_ids)
+            held.new_logprobs.extend(output.new_logprobs)
+            held.finish_reason, held.stop_reason = output.finish_reason, output.stop_reason
+            output = held
+        if output.finish_reason is not None:
+            self.started.discard(key)
+            return output
+        if key not in self.started:
+            self.started.add(key)  # the first token is never held: time to first token stays as it is
+            return output
+        if len(output.new_token_ids) >= self.interval:
+            return output
+        if held is None:
+            # Copied: the engine's output lists are not ours to extend.
+            output = dataclasses.replace(
+                output, new_token_ids=list(output.new_token_ids), new_logprobs=list(output.new_logprobs)
+            )
+        self.held[key] = output
+        return None
+
+    def drop(self, request_id: str, index: int | None = None) -> None:
+        """Forget a request (or one of its completions) that nobody will read any further."""
+        for table in (self.held, self.started):
+            for key in [key for key in table if key[0] == request_id and index in (None, key[1])]:
+                if isinstance(table, dict):
+                    del table[key]
+                else:
+                    table.discard(key)
+
+    def retain(self, live_request_ids: Container[str]) -> None:
+        """Forget every request that is no longer in flight (finished, aborted, failed)."""
+        self.held = {key: output for key, output in self.held.items() if key[0] in live_request_ids}
+        self.started = {key for key in self.started if key[0] in live_request_ids}
+
+
 class EngineActor:
     """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
 
@@ -100,6 +155,7 @@ class EngineActor:
         self.rebuild_task: asyncio.Task | None = None
         self.num_rebuilds = 0
         self.num_steps = 0
+        self.stream_buffer = StreamIntervalBuffer(config.stream_interval)
 
     def _build_core(self) -> EngineCore:
         import ray
@@ -147,6 +203,7 @@ class EngineActor:
             self.core.abort_request(request_ids)
         for request_id in request_ids:
             self.request_client.pop(request_id, None)
+        self.stream_buffer.retain(self.request_client)
         for table in (self.client_seen, self.client_outputs, self.client_events, self.client_failures):
             table.pop(client_id, None)
         if failure is not None:
@@ -254,10 +311,12 @@ class EngineActor:
         self.core.abort_request(request_ids)
         for request_id in request_ids:
             self.request_client.pop(request_id, None)
+        self.stream_buffer.retain(self.request_client)
 
     async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
         await self._started()
         self.core.stop_completion(request_id, index, stop_string)
+        self.stream_buffer.drop(request_id, index)
         if request_id not in self.core.children:
             self.request_client.pop(request_id, None)
 
@@ -316,7 +375,7 @@ class EngineActor:
             "draining": self.draining,
             "rss_bytes": process_rss_bytes(),
             # Per-request bookkeeping, all zero when idle (leak checks).
-            "num_tracked_requests": len(self.request_client) + len(self.core.children),
+            "num_tracked_requests": len(self.request_client) + len(self.core.children) + len(self.stream_buffer),
             "num_undelivered_outputs": sum(map(len, self.client_outputs.values())),
             "num_early_aborts": len(self.early_aborts),
         }
@@ -362,6 +421,9 @@ class EngineActor:
                 client_id = self.request_client.get(output.request_id)
                 if client_id is None:
                     continue
+                output = self.stream_buffer.push(output)
+                if output is None:
+                    continue
                 self.client_outputs[client_id].append(output)
                 self.client_events[client_id].set()
                 if output.finish_reason is not None:
@@ -370,6 +432,8 @@ class EngineActor:
             for request_id in finished_request_ids:
                 if request_id not in self.core.children:
                     self.request_client.pop(request_id, None)
+            if self.stream_buffer:
+                self.stream_buffer.retain(self.request_client)
             # Yield so queued add_request / abort calls land between steps.
             await asyncio.sleep(0)
 
@@ -391,6 +455,7 @@ class EngineActor:
             self.client_failures[client_id] = reason
             self.client_outputs.pop(client_id, None)
         self.request_client.clear()
+        self.stream_buffer.retain(self.request_client)
         for event in self.client_events.values():
             event.set()
 

@@ -14,14 +14,19 @@ from executor.engine_actor import EngineActor
 from executor.executors import EngineDeadError
 
 
-@pytest.fixture
-def engine(ray_cluster, tiny_model_dir):
+def start_engine(model_dir, **config):
     actor = (
         ray.remote(EngineActor)
         .options(num_cpus=0)
-        .remote(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1))
+        .remote(EngineConfig(model=str(model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1, **config))
     )
     ray.get(actor.engine_info.remote(), timeout=120)
+    return actor
+
+
+@pytest.fixture
+def engine(ray_cluster, tiny_model_dir):
+    actor = start_engine(tiny_model_dir)
     yield actor
     ray.kill(actor)
 
@@ -126,3 +131,58 @@ def test_merge_outputs_keeps_each_completions_tokens_in_order():
     assert (first.index, first.new_token_ids, first.finish_reason) == (0, [1, 2, 3], "length")
     assert (second.index, second.new_token_ids, second.finish_reason, second.stop_reason) == (1, [10, 11], "stop", 7)
     assert steps[0][0].new_token_ids == [1]  # the engine's outputs are not modified
+
+
+def test_stream_interval_buffer_holds_tokens_until_the_interval_and_flushes_first_and_last():
+    from executor.engine_actor import StreamIntervalBuffer
+    from executor.engine_core import EngineOutput
+
+    buffer = StreamIntervalBuffer(3)
+    steps = [
+        [EngineOutput("r", 0, [token], [float(token)]), EngineOutput("r", 1, [10 + token], [])] for token in range(6)
+    ]
+    steps.append([EngineOutput("r", 0, [6], [6.0], "length"), EngineOutput("r", 1, [16], [], "stop", 99)])
+    delivered = [output for step in steps for output in map(buffer.push, step) if output is not None]
+    by_index = {index: [o for o in delivered if o.index == index] for index in (0, 1)}
+    assert [o.new_token_ids for o in by_index[0]] == [[0], [1, 2, 3], [4, 5, 6]]
+    assert [o.new_logprobs for o in by_index[0]] == [[0.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert [o.new_token_ids for o in by_index[1]] == [[10], [11, 12, 13], [14, 15, 16]]
+    assert (by_index[1][-1].finish_reason, by_index[1][-1].stop_reason) == ("stop", 99)
+    assert steps[1][0].new_token_ids == [1]  # the engine's outputs are not modified
+    assert len(buffer) == 0  # finished completions leave nothing behind
+
+    assert buffer.push(EngineOutput("s", 0, [1], [])) is not None
+    assert buffer.push(EngineOutput("s", 0, [2], [])) is None
+    buffer.drop("s", 0)
+    assert len(buffer) == 0
+    assert StreamIntervalBuffer(1).push(steps[0][0]) is steps[0][0]
+
+
+def test_stream_interval_sends_tokens_in_chunks_with_the_same_tokens(ray_cluster, tiny_model_dir, engine):
+    """stream_interval=4: the first token alone, then chunks of four, the rest with the finish; nothing lingers."""
+    from serve_app.engine_client import EngineClient
+
+    chunked = start_engine(tiny_model_dir, stream_interval=4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def read(actor, request_id: str) -> list[list[int]]:
+        client = EngineClient(actor)
+        await client.submit(request_id, [5, 6, 7], params)
+        return [output.new_token_ids async for outputs in client.outputs(request_id, 1) for output in outputs]
+
+    try:
+        chunks = asyncio.run(asyncio.wait_for(read(chunked, "chunked"), 120))
+        every_step = asyncio.run(asyncio.wait_for(read(engine, "every-step"), 120))
+        assert [len(chunk) for chunk in chunks] == [1, 4, 4, 1]
+        assert [token for chunk in chunks for token in chunk] == [token for chunk in every_step for token in chunk]
+
+        # A stream aborted while tokens are held leaves nothing behind in the scheduler actor.
+        long_params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        ray.get(chunked.add_request.remote("client-c", "aborted", [5, 6, 7], long_params), timeout=30)
+        ray.get(chunked.get_outputs.remote("client-c"), timeout=30)
+        time.sleep(0.3)
+        ray.get(chunked.abort.remote(["aborted"]), timeout=30)
+        stats = ray.get(chunked.stats.remote(), timeout=30)
+        assert stats["num_tracked_requests"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
+    finally:
+        ray.kill(chunked)
