@@ -1,0 +1,85 @@
+"""`scheduler.stream_interval` over real HTTP with the `openai` SDK: a stream's tokens arrive in chunks (its first
+token alone), with the same text and usage as a stream of one token per event, and nothing left behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+from openai import OpenAI
+
+from configs.app_config import AppConfig
+from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+
+MODEL = "tiny-chunked"
+PREFIX = "/chunked"
+INTERVAL = 3
+CONFIG = AppConfig.model_validate(
+    {
+        "model": {"name": "tiny-random-llama", "served_model_name": MODEL},
+        "cache": {"num_kv_blocks": 128},
+        "scheduler": {"max_num_seqs": 16, "stream_interval": INTERVAL},
+        "parallel": {"worker_num_cpus": 0.5, "num_threads": 1},
+        "serve": {"app_name": "chunked", "route_prefix": PREFIX, "ingress_num_cpus": 0.1},
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def root(serve_port: int) -> Iterator[str]:
+    from ray import serve
+
+    serve.run(build_app(CONFIG), name=CONFIG.serve.app_name, route_prefix=PREFIX)
+    yield f"http://127.0.0.1:{serve_port}{PREFIX}"
+    serve.delete(CONFIG.serve.app_name)
+
+
+@pytest.fixture(scope="module")
+def client(root: str) -> OpenAI:
+    return OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_tokens_stream_in_chunks_with_the_same_text_and_usage(client: OpenAI):
+    kwargs = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(
+        client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices and chunk.choices[0].text]
+    assert "".join(texts) == whole.choices[0].text
+    # Ten tokens as 1 + 3 + 3 + 3: at most four text events (a token that ends mid-character may add nothing).
+    assert 2 <= len(texts) <= 4
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert finish == ["length"]
+
+
+def test_a_stop_string_inside_a_chunk_ends_the_stream_there(client: OpenAI):
+    base = {"model": MODEL, "prompt": "The quick brown fox", "temperature": 0, "extra_body": {"ignore_eos": True}}
+    text = client.completions.create(**base, max_tokens=12).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
+    streamed = client.completions.create(**base, max_tokens=12, stop=[stop], stream=True)
+    chunks = list(streamed)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason] == [
+        "stop"
+    ]
+
+
+def test_nothing_lingers_in_the_engine_after_streams_end(client: OpenAI):
+    for max_tokens in (7, 8, 9):
+        list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=max_tokens, temperature=0, stream=True))
+    engine = ray.get_actor(engine_actor_name(CONFIG.serve.app_name), namespace=ENGINE_NAMESPACE)
+    deadline = time.monotonic() + 30
+    while True:
+        stats = ray.get(engine.stats.remote(), timeout=30)
+        if stats["num_tracked_requests"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["num_tracked_requests"] == 0 and stats["num_undelivered_outputs"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
