@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import os
 import time
@@ -83,9 +82,7 @@ class StreamIntervalBuffer:
         key = (output.request_id, output.index)
         held = self.held.pop(key, None)
         if held is not None:
-            held.new_token_ids.extend(output.new_token_ids)
-            held.new_logprobs.extend(output.new_logprobs)
-            held.finish_reason, held.stop_reason = output.finish_reason, output.stop_reason
+            held.extend(output)
             output = held
         if output.finish_reason is not None:
             self.started.discard(key)
@@ -95,12 +92,7 @@ class StreamIntervalBuffer:
             return output
         if len(output.new_token_ids) >= self.interval:
             return output
-        if held is None:
-            # Copied: the engine's output lists are not ours to extend.
-            output = dataclasses.replace(
-                output, new_token_ids=list(output.new_token_ids), new_logprobs=list(output.new_logprobs)
-            )
-        self.held[key] = output
+        self.held[key] = output if held is not None else output.copy()
         return None
 
     def drop(self, request_id: str, index: int | None = None) -> None:

@@ -34,6 +34,16 @@ class EngineOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
+    def copy(self) -> EngineOutput:
+        """A copy whose token and logprob lists can be extended without touching the engine's."""
+        return dataclasses.replace(self, new_token_ids=list(self.new_token_ids), new_logprobs=list(self.new_logprobs))
+
+    def extend(self, later: EngineOutput) -> None:
+        """Append a later step of the same completion: its tokens, and its finish if it has one."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.new_logprobs.extend(later.new_logprobs)
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"

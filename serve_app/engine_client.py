@@ -7,7 +7,6 @@ gone is replaced: the client creates (or adopts, by name) a new one and serves a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -54,13 +53,9 @@ def merge_outputs(batches: Iterable[list[EngineOutput]]) -> list[EngineOutput]:
         for output in batch:
             earlier = merged.get(output.index)
             if earlier is None:
-                merged[output.index] = dataclasses.replace(
-                    output, new_token_ids=list(output.new_token_ids), new_logprobs=list(output.new_logprobs)
-                )
-                continue
-            earlier.new_token_ids.extend(output.new_token_ids)
-            earlier.new_logprobs.extend(output.new_logprobs)
-            earlier.finish_reason, earlier.stop_reason = output.finish_reason, output.stop_reason
+                merged[output.index] = output.copy()
+            else:
+                earlier.extend(output)
     return list(merged.values())
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,20 @@ def serve_port(ray_cluster: Any) -> int:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+@contextlib.contextmanager
+def deployed_app(config: Any, serve_port: int) -> Iterator[str]:
+    """The app of `config` on this session's Serve at its route prefix: yields its root URL, deletes it after."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix)
+    try:
+        yield f"http://127.0.0.1:{serve_port}{config.serve.route_prefix}"
+    finally:
+        serve.delete(config.serve.app_name)
 
 
 def ray_actors(class_prefix: str, state: str = "ALIVE") -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from configs.app_config import AppConfig
-from serve_app.app import build_app
+from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow
 
@@ -79,11 +79,8 @@ EXTRA_FIELDS = frozenset(
 @pytest.fixture(scope="module")
 def root(serve_port: int) -> Iterator[str]:
     """http://127.0.0.1:<port>/conf: the app's root (tokenize, health, metrics, version live here)."""
-    from ray import serve
-
-    serve.run(build_app(CONFIG), name=CONFIG.serve.app_name, route_prefix=PREFIX)
-    yield f"http://127.0.0.1:{serve_port}{PREFIX}"
-    serve.delete(CONFIG.serve.app_name)
+    with deployed_app(CONFIG, serve_port) as root_url:
+        yield root_url
 
 
 @pytest.fixture(scope="module")

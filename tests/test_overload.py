@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +30,8 @@ CONFIG = AppConfig.model_validate(
 
 @pytest.fixture(scope="module")
 def base(serve_port):
-    from ray import serve
-
-    serve.run(build_app(CONFIG), name=CONFIG.serve.app_name, route_prefix=CONFIG.serve.route_prefix)
-    yield f"http://127.0.0.1:{serve_port}{CONFIG.serve.route_prefix}"
-    serve.delete(CONFIG.serve.app_name)
+    with deployed_app(CONFIG, serve_port) as root_url:
+        yield root_url
 
 
 def wait_until_idle(timeout_s: float = 30) -> dict:

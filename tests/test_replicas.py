@@ -10,8 +10,9 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
 from serve_app.engine_router import merge_expositions, prefix_key
+from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +54,8 @@ async def send_all(url: str, prompts: list[list[int]]) -> list[dict]:
 
 @pytest.mark.parametrize("routing", ["least_loaded", "prefix"])
 def test_two_engine_replicas(serve_port, routing):
-    from ray import serve
-
     config = replica_config(routing)
-    serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix)
-    base = f"http://127.0.0.1:{serve_port}{config.serve.route_prefix}"
-    try:
+    with deployed_app(config, serve_port) as base:
         engines = [
             ray.get_actor(engine_actor_name(config.serve.app_name, index), namespace=ENGINE_NAMESPACE)
             for index in range(2)
@@ -81,8 +78,6 @@ def test_two_engine_replicas(serve_port, routing):
             per_engine = generated_tokens_per_engine(base)
             assert per_engine[owner] >= 8 * 4
             assert per_engine.get(str(1 - int(owner)), 0.0) == 0.0
-    finally:
-        serve.delete(config.serve.app_name)
 
 
 def test_merge_expositions_keeps_one_header_per_family():

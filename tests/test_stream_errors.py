@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +27,7 @@ CONFIG = AppConfig.model_validate(
 
 
 def test_worker_death_mid_stream_ends_with_error_chunk_and_done(serve_port):
-    from ray import serve
-
-    serve.run(build_app(CONFIG), name=CONFIG.serve.app_name, route_prefix=CONFIG.serve.route_prefix)
-    base = f"http://127.0.0.1:{serve_port}{CONFIG.serve.route_prefix}"
-    try:
+    with deployed_app(CONFIG, serve_port) as base:
         engine = ray.get_actor(engine_actor_name(CONFIG.serve.app_name), namespace=ENGINE_NAMESPACE)
         body = {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "stream": True}
         events: list[str] = []
@@ -63,5 +60,3 @@ def test_worker_death_mid_stream_ends_with_error_chunk_and_done(serve_port):
         stats = ray.get(engine.stats.remote())
         assert stats["num_rebuilds"] == 1
         assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-    finally:
-        serve.delete(CONFIG.serve.app_name)

@@ -11,7 +11,8 @@ import ray
 from openai import OpenAI
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+from tests.conftest import deployed_app
 
 MODEL = "tiny-chunked"
 PREFIX = "/chunked"
@@ -29,11 +30,8 @@ CONFIG = AppConfig.model_validate(
 
 @pytest.fixture(scope="module")
 def root(serve_port: int) -> Iterator[str]:
-    from ray import serve
-
-    serve.run(build_app(CONFIG), name=CONFIG.serve.app_name, route_prefix=PREFIX)
-    yield f"http://127.0.0.1:{serve_port}{PREFIX}"
-    serve.delete(CONFIG.serve.app_name)
+    with deployed_app(CONFIG, serve_port) as root_url:
+        yield root_url
 
 
 @pytest.fixture(scope="module")
