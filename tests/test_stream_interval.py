@@ -29,14 +29,9 @@ CONFIG = AppConfig.model_validate(
 
 
 @pytest.fixture(scope="module")
-def root(serve_port: int) -> Iterator[str]:
-    with deployed_app(CONFIG, serve_port) as root_url:
-        yield root_url
-
-
-@pytest.fixture(scope="module")
-def client(root: str) -> OpenAI:
-    return OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(serve_port: int) -> Iterator[OpenAI]:
+    with deployed_app(CONFIG, serve_port) as root:
+        yield OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tokens_stream_in_chunks_with_the_same_text_and_usage(client: OpenAI):
