@@ -95,14 +95,10 @@ class StreamIntervalBuffer:
         self.held[key] = output if held is not None else output.copy()
         return None
 
-    def drop(self, request_id: str, index: int | None = None) -> None:
-        """Forget a request (or one of its completions) that nobody will read any further."""
-        for table in (self.held, self.started):
-            for key in [key for key in table if key[0] == request_id and index in (None, key[1])]:
-                if isinstance(table, dict):
-                    del table[key]
-                else:
-                    table.discard(key)
+    def drop(self, request_id: str, index: int) -> None:
+        """Forget a completion ended downstream (a stop string): what it held is past its end."""
+        self.held.pop((request_id, index), None)
+        self.started.discard((request_id, index))
 
     def retain(self, live_request_ids: Container[str]) -> None:
         """Forget every request that is no longer in flight (finished, aborted, failed)."""
@@ -424,8 +420,6 @@ class EngineActor:
             for request_id in finished_request_ids:
                 if request_id not in self.core.children:
                     self.request_client.pop(request_id, None)
-            if self.stream_buffer:
-                self.stream_buffer.retain(self.request_client)
             # Yield so queued add_request / abort calls land between steps.
             await asyncio.sleep(0)
 
