@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -39,6 +39,11 @@ class EngineConfig(BaseModel):
         description="Tokens a stream collects before the scheduler actor hands them on (its first and last go at "
         "once): above 1, fewer SSE events per token and less CPU spent on streaming, in coarser chunks.",
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description="The scheduler actor plans the next step while the workers run this one (the tokens it will "
+        "sample are placeholders until it returns); None: on when TP = PP = 1, the only layout it supports.",
+    )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."
     )
@@ -67,6 +72,17 @@ class EngineConfig(BaseModel):
     distributed_executor: Literal["auto", "uniproc", "ray"] = Field(
         "auto", description="auto: in-process for TP=PP=1 offline use, Ray worker actors otherwise."
     )
+
+    @model_validator(mode="after")
+    def _check_async_scheduling(self) -> EngineConfig:
+        if self.async_scheduling and self.world_size > 1:
+            # Other ranks learn sampled tokens from the plans, which async scheduling makes before they exist.
+            raise ValueError("async_scheduling needs tensor_parallel_size = pipeline_parallel_size = 1")
+        return self
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        return self.world_size == 1 if self.async_scheduling is None else self.async_scheduling
 
     @property
     def world_size(self) -> int:

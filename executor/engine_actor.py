@@ -358,6 +358,7 @@ class EngineActor:
             "prefix_cache_queries": kv_cache.prefix_cache_queries,
             "prefix_cache_hits": kv_cache.prefix_cache_hits,
             "num_steps": self.num_steps,
+            "num_steps_planned_ahead": self.core.num_steps_planned_ahead,
             "num_rebuilds": self.num_rebuilds,
             "num_clients": len(self.client_seen),
             "draining": self.draining,
@@ -391,15 +392,24 @@ class EngineActor:
         }
 
     async def _run_steps(self) -> None:
+        """Plan, start, collect. With async scheduling the next step is planned and queued on the workers before
+        the running one returns, so the workers never wait for the scheduler between steps."""
+        core = self.core
+        depth = 2 if self.config.uses_async_scheduling else 1
         while True:
-            if not self.core.has_unfinished_requests():
+            has_work = core.has_unfinished_requests()
+            if not has_work and not core.steps_in_flight:
                 self.new_work.clear()
                 await self.new_work.wait()
                 continue
             try:
-                outputs = await self.core.step_async()
+                submitted = has_work and len(core.steps_in_flight) < depth and core.submit_step()
+                if len(core.steps_in_flight) < depth and submitted:
+                    continue
+                outputs = await core.finish_oldest_step()
             except Exception as error:
                 logger.exception("engine step failed; failing in-flight requests and rebuilding the engine")
+                core.abandon_steps_in_flight()
                 if not self._rebuilding():
                     self._start_rebuild(f"engine step failed: {short_reason(error)}")
                 return

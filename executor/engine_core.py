@@ -6,9 +6,11 @@ scheduled the shared prompt, then reuse its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from executor.metrics import EngineMetrics
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_info import ModelInfo
+from model_executor.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,9 @@ class EngineCore:
         self.metrics = EngineMetrics(config.model_name, engine_index)
         self.children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.sequence_owner: dict[str, tuple[str, int]] = {}
+        # Started on the workers, oldest first; two deep with async scheduling.
+        self.steps_in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
+        self.num_steps_planned_ahead = 0  # started while another step was still running
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Validate and queue; raises ValueError and changes nothing on bad input."""
@@ -164,10 +170,21 @@ class EngineCore:
         result = self.executor.execute(plan)
         return self._collect(plan, result)
 
-    async def step_async(self) -> list[EngineOutput]:
+    def submit_step(self) -> bool:
+        """Plan a step and start it on the workers, behind any still running. False: with a step in flight, the
+        plan had nothing to run (what it had to tell the runner waits for the next plan)."""
         plan = self.scheduler.schedule()
-        result = await self.executor.execute_async(plan)
-        return self._collect(plan, result)
+        if self.steps_in_flight and not (plan.num_scheduled_tokens or plan.preempted_request_ids):
+            self.scheduler.defer_runner_news(plan)
+            return False
+        self.num_steps_planned_ahead += bool(self.steps_in_flight)
+        self.steps_in_flight.append((plan, self.executor.submit(plan)))
+        return True
+
+    async def finish_oldest_step(self) -> list[EngineOutput]:
+        """Wait for the oldest step in flight; its sampled tokens, stops and finishes as outputs."""
+        plan, pending = self.steps_in_flight.popleft()
+        return self._collect(plan, await pending)
 
     def _record_tokens(self, request: Request, num_tokens: int, now: float) -> None:
         metrics = self.metrics
@@ -221,6 +238,14 @@ class EngineCore:
             self.children.pop(request_id, None)
             for child_id in child_ids:
                 self.sequence_owner.pop(child_id, None)
+
+    def abandon_steps_in_flight(self) -> None:
+        """A step failed: the ones queued behind it are dropped (call on the event loop's thread)."""
+        for _, pending in self.steps_in_flight:
+            if pending.done() and not pending.cancelled():
+                pending.exception()  # retrieved: the failure was already reported by the step that raised
+            pending.cancel()
+        self.steps_in_flight.clear()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -38,8 +38,9 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
 
-    async def execute_async(self, plan: StepPlan) -> StepResult:
-        return self.execute(plan)
+    def submit(self, plan: StepPlan) -> asyncio.Future:
+        """Start the step and return at once (inside a running event loop); the future resolves to its result."""
+        return asyncio.ensure_future(asyncio.to_thread(self.execute, plan))
 
     @abstractmethod
     def check_health(self) -> None:
@@ -141,11 +142,15 @@ class RayExecutor(Executor):
         except ray.exceptions.RayError as error:
             raise EngineDeadError(f"model worker failed: {error}") from error
 
-    async def execute_async(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> asyncio.Future:
+        """The workers get the step now, queued behind any step still running (an actor runs calls in order)."""
+        return asyncio.ensure_future(self._driver_result(self._submit(plan)))
+
+    async def _driver_result(self, step_refs: list) -> StepResult:
         import ray
 
         try:
-            return (await asyncio.gather(*self._submit(plan)))[self.driver_index]
+            return (await asyncio.gather(*step_refs))[self.driver_index]
         except ray.exceptions.RayError as error:
             raise EngineDeadError(f"model worker failed: {error}") from error
 

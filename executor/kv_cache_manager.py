@@ -96,7 +96,8 @@ class KVCacheManager:
         self.pool.touch(computed_blocks)
         new_blocks = computed_blocks + self.pool.allocate(max(num_fresh, 0))
         held.extend(new_blocks)
-        self._register_full_blocks(request, held, num_computed_tokens + num_new_tokens)
+        # A token a step in flight will sample is not known yet: its block registers on a later step.
+        self._register_full_blocks(request, held, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return [block.block_id for block in new_blocks]
 
     def _register_full_blocks(self, request: Request, held: list[KVCacheBlock], num_tokens: int) -> None:

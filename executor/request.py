@@ -40,6 +40,7 @@ class Request:
         "last_token_time",
         "max_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_prompt_tokens",
         "num_tokens_sent",
         "request_id",
@@ -63,7 +64,9 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic()
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV is written or being written by a step already scheduled
+        # Tokens that steps in flight will sample, not known here yet (async scheduling keeps up to one).
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily
@@ -86,6 +89,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

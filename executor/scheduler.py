@@ -4,6 +4,10 @@ There is no prefill phase or decode phase: each request has num_computed_tokens,
 decides how many tokens each request advances, under max_num_batched_tokens and max_num_seqs. Chunked
 prefill, prefix caching and recompute preemption fall out of that loop. With prioritize_prefill the loop visits
 prompts (half done, then waiting) before running decodes while the cache has room.
+
+Progress advances when a step is scheduled, not when it returns, so the next step can be planned while this one
+runs (async scheduling): a token a step in flight will sample is a placeholder until its result comes back. A
+single-rank runner keeps the tokens it samples, so plans never carry them back to it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.prioritize_prefill = config.prioritize_prefill
+        # One rank samples and is the only one that needs the tokens: it appends them itself.
+        self.runner_keeps_sampled_tokens = config.world_size == 1
         if max_model_len > num_kv_blocks * config.block_size:
             # A request that outgrew the whole cache could only be preempted, forever.
             raise ValueError(
@@ -80,18 +86,33 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s", request.request_id)
 
-    def _is_gated(self, request: Request) -> bool:
-        """A sibling waits until the first sibling has scheduled the prompt they share."""
+    def _is_gated(self, request: Request, plan: StepPlan) -> bool:
+        """A sibling waits until an earlier plan than this one has scheduled the prompt it shares with the first."""
         gate = self.requests.get(request.gate_request_id) if request.gate_request_id else None
-        return gate is not None and gate.num_computed_tokens < gate.num_prompt_tokens - 1
+        if gate is None:
+            return False
+        num_planned_before = gate.num_computed_tokens - plan.num_scheduled_tokens.get(gate.request_id, 0)
+        return num_planned_before < gate.num_prompt_tokens - 1
+
+    def _length_limit_in_flight(self, request: Request) -> bool:
+        """The steps in flight sample the request's last token (max_tokens or the context): nothing left to run."""
+        limit = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        return request.num_tokens_with_placeholders >= limit
+
+    def _advance(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Count the step's tokens as computed now; reaching the end of the known tokens means one is sampled."""
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            request.num_output_placeholders += 1
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(finished_request_ids=self.finished_since_last_plan)
         self.finished_since_last_plan = []
         token_budget = self.max_num_batched_tokens
         if self.prioritize_prefill:
-            prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+            prefilling = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens > 1]
+            decoding = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens <= 1]
             if self._defer_decodes(prefilling):
                 # Prefill first: chunks in progress, then admissions, then decodes with what is left, never
                 # preempting for them (the cache had room for every decode's next block; short, one step waits).
@@ -102,6 +123,10 @@ class Scheduler:
         token_budget = self._schedule_running(plan, list(self.running), token_budget, allow_preemption=True)
         self._schedule_waiting(plan, token_budget)
         return plan
+
+    def defer_runner_news(self, plan: StepPlan) -> None:
+        """A plan that runs nothing was not sent: its finished ids go out with the next one."""
+        self.finished_since_last_plan[:0] = plan.finished_request_ids
 
     def _defer_decodes(self, prefilling: list[Request]) -> bool:
         """A prompt is being or waits to be prefilled, and the cache holds a full step of prompt blocks on top of
@@ -128,7 +153,9 @@ class Scheduler:
                 break
             if request.status == RequestStatus.PREEMPTED:
                 continue  # a victim of an earlier request in this pass
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if self._length_limit_in_flight(request):
+                continue  # async scheduling: finishes when the step in flight returns
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, token_budget)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None and allow_preemption:
                 victim = self._preemption_victim(plan)
@@ -153,7 +180,7 @@ class Scheduler:
                 )
             )
             request.num_tokens_sent = request.num_tokens
-            plan.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(plan, request, num_new)
             token_budget -= num_new
         return token_budget
 
@@ -164,7 +191,8 @@ class Scheduler:
             if plan.preempted_request_ids:
                 break
             request = self.waiting[0]
-            if self._is_gated(request):
+            # A preempted request whose last step is still in flight waits for that step's token too.
+            if self._is_gated(request, plan) or request.num_output_placeholders:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(
@@ -191,23 +219,25 @@ class Scheduler:
                 )
             )
             request.num_tokens_sent = request.num_tokens
-            plan.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(plan, request, num_new)
             token_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return token_budget
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Advance progress, append sampled tokens, finish requests that hit a stop condition."""
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.num_computed_tokens += num_tokens
+        """Append the plan's sampled tokens (placeholders until now), finish requests that hit a stop condition.
+
+        Requests finished or aborted since the plan was made are gone: their tokens are dropped.
+        """
         updates = []
         for position, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             request = self.requests.get(request_id)
-            if request is None or request.status.is_finished:
+            if request is None:
                 continue
+            request.num_output_placeholders -= 1
             request.token_ids.append(token_id)
+            if self.runner_keeps_sampled_tokens and request.status == RequestStatus.RUNNING:
+                request.num_tokens_sent = request.num_tokens
             logprobs = result.logprobs[position] if result.logprobs else None
             finished = self._check_stop(request, token_id)
             if finished:

@@ -78,6 +78,8 @@ class ModelRunner:
         self.num_kv_blocks = 0
         # The last stage's first tensor-parallel rank samples; the others only compute.
         self.is_driver = self.parallel.is_last_stage and self.parallel.tp_rank == 0
+        # The only rank: nobody else needs the sampled tokens, so plans don't carry them back (see Scheduler).
+        self.keeps_sampled_tokens = self.parallel.tp_size * self.parallel.pp_size == 1
         self.sampler = Sampler(model_info.eos_token_ids)
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a resumed request continues the same random stream.
@@ -244,6 +246,11 @@ class ModelRunner:
         if not self.is_driver:
             return StepResult()
         sampled = self.sampler(logits, [state.sampling_row for state in sampling_states])
+        if self.keeps_sampled_tokens:
+            # The next step may be planned before the scheduler has seen these tokens (async scheduling).
+            for state, token_id in zip(sampling_states, sampled.sampled_token_ids, strict=True):
+                state.token_ids.append(token_id)
+                state.sampling_row.output_token_ids.append(token_id)
         return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
 
     def _decode_inputs(

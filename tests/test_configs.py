@@ -29,6 +29,18 @@ def test_default_preset_is_what_make_serve_promises():
 def test_tp3_preset_splits_smollm2_three_ways():
     config = AppConfig.from_yaml("smollm2-tp3")
     assert config.parallel.tensor_parallel_size == 3
+    # Other ranks learn sampled tokens from the plans: async scheduling is off there by default.
+    assert not config.engine_config().uses_async_scheduling
+    assert AppConfig.from_yaml("default").engine_config().uses_async_scheduling
+
+
+def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler:\n  async_scheduling: true\nparallel:\n  tensor_parallel_size: 2\n")
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size"):
+        AppConfig.from_yaml(bad).engine_config()
+    bad.write_text("scheduler:\n  async_scheduling: false\n")
+    assert not AppConfig.from_yaml(bad).engine_config().uses_async_scheduling
 
 
 def test_unknown_key_is_rejected_with_its_name(tmp_path):

@@ -160,19 +160,26 @@ def test_stream_interval_buffer_holds_tokens_until_the_interval_and_flushes_firs
 
 def test_stream_interval_sends_tokens_in_chunks_with_the_same_tokens(ray_cluster, tiny_model_dir, engine):
     """stream_interval=4: the first token alone, then chunks of four, the rest with the finish; nothing lingers."""
-    from serve_app.engine_client import EngineClient
-
     chunked = start_engine(tiny_model_dir, stream_interval=4)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
-    async def read(actor, request_id: str) -> list[list[int]]:
-        client = EngineClient(actor)
-        await client.submit(request_id, [5, 6, 7], params)
-        return [output.new_token_ids async for outputs in client.outputs(request_id, 1) for output in outputs]
+    def read(actor, request_id: str) -> list[list[int]]:
+        """Each output as the scheduler actor handed it on (an ingress reader that falls behind merges them)."""
+        client_id = f"client-{request_id}"
+        ray.get(actor.add_request.remote(client_id, request_id, [5, 6, 7], params), timeout=30)
+        chunks: list[list[int]] = []
+        finished = False
+        deadline = time.monotonic() + 120
+        while not finished:
+            assert time.monotonic() < deadline, "the stream did not finish"
+            for output in ray.get(actor.get_outputs.remote(client_id), timeout=30):
+                chunks.append(output.new_token_ids)
+                finished = output.finish_reason is not None
+        return chunks
 
     try:
-        chunks = asyncio.run(asyncio.wait_for(read(chunked, "chunked"), 120))
-        every_step = asyncio.run(asyncio.wait_for(read(engine, "every-step"), 120))
+        chunks = read(chunked, "chunked")
+        every_step = read(engine, "every-step")
         assert [len(chunk) for chunk in chunks] == [1, 4, 4, 1]
         assert [token for chunk in chunks for token in chunk] == [token for chunk in every_step for token in chunk]
 
@@ -186,3 +193,60 @@ def test_stream_interval_sends_tokens_in_chunks_with_the_same_tokens(ray_cluster
         assert stats["num_tracked_requests"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
     finally:
         ray.kill(chunked)
+
+
+def test_async_scheduling_gives_the_same_tokens_as_one_step_at_a_time(ray_cluster, tiny_model_dir, engine):
+    """The default engine (TP = PP = 1) plans each step while the previous one runs; the tokens, finishes and
+    logprobs must be those of an engine that waits for every step, and no block may stay taken."""
+    sync_engine = start_engine(tiny_model_dir, async_scheduling=False)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = {
+        "greedy": ([5, 6, 7], greedy),
+        "one-token": ([8, 9], SamplingParams(temperature=0, max_tokens=1)),
+        "seeded-n2": ([5, 6, 7, 8], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=9, ignore_eos=True)),
+        "logprobs": ([11, 12, 13] * 7, SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)),
+    }
+    # Greedy's third token as a stop token: the request ends there, with steps already planned behind it.
+    probe = "probe"
+    ray.get(sync_engine.add_request.remote("client-p", probe, [5, 6, 7], greedy), timeout=30)
+    third_token = collect_completions(sync_engine, "client-p", {(probe, 0)})[(probe, 0)]["tokens"][2]
+    requests["stop-token"] = ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third_token]))
+
+    def run(actor, client_id: str) -> dict:
+        for request_id, (prompt, params) in requests.items():
+            ray.get(actor.add_request.remote(client_id, request_id, prompt, params), timeout=30)
+        keys = {(request_id, index) for request_id, (_, params) in requests.items() for index in range(params.n)}
+        return collect_completions(actor, client_id, keys)
+
+    try:
+        pipelined, stepwise = run(engine, "client-async"), run(sync_engine, "client-sync")
+        # Batches may group differently, so float sums may round differently: logprobs match closely, tokens exactly.
+        for key, completion in pipelined.items():
+            assert (completion["tokens"], completion["finish"]) == (stepwise[key]["tokens"], stepwise[key]["finish"])
+            logprobs = [entry.logprob for entry in completion["logprobs"]]
+            assert logprobs == pytest.approx([entry.logprob for entry in stepwise[key]["logprobs"]], abs=1e-4)
+        assert len(pipelined[("greedy", 0)]["tokens"]) == 12 and len(pipelined[("seeded-n2", 1)]["tokens"]) == 9
+        assert pipelined[("stop-token", 0)]["tokens"][-1] == third_token
+        assert pipelined[("stop-token", 0)]["finish"] == ("stop", third_token)
+        assert [len(entry.top_logprobs) for entry in pipelined[("logprobs", 0)]["logprobs"]] == [2] * 5
+        for actor, pipelines in ((engine, True), (sync_engine, False)):
+            stats = ray.get(actor.stats.remote(), timeout=30)
+            assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
+            assert (stats["num_steps_planned_ahead"] > stats["num_steps"] / 2) == pipelines
+    finally:
+        ray.kill(sync_engine)
+
+
+def collect_completions(engine, client_id: str, keys: set[tuple[str, int]], timeout_s: float = 60) -> dict:
+    """(request id, index) -> its tokens, logprobs and (finish_reason, stop_reason), read until all finished."""
+    completions = {key: {"tokens": [], "logprobs": [], "finish": None} for key in keys}
+    deadline = time.monotonic() + timeout_s
+    while any(completion["finish"] is None for completion in completions.values()):
+        assert time.monotonic() < deadline, f"unfinished: {[k for k, c in completions.items() if c['finish'] is None]}"
+        for output in ray.get(engine.get_outputs.remote(client_id), timeout=30):
+            completion = completions[(output.request_id, output.index)]
+            completion["tokens"].extend(output.new_token_ids)
+            completion["logprobs"].extend(output.new_logprobs)
+            if output.finish_reason is not None:
+                completion["finish"] = (output.finish_reason, output.stop_reason)
+    return completions

@@ -39,11 +39,10 @@ def prompt_of(length: int, start: int = 1000) -> list[int]:
 
 
 def sampling_ids(scheduler: Scheduler, plan: StepPlan) -> list[str]:
-    """Requests that reach the end of their known tokens this step, i.e. get a sampled token."""
+    """Requests that reach the end of their known tokens this step, i.e. get a sampled token (one step in flight:
+    every placeholder is this plan's)."""
     return [
-        request_id
-        for request_id, num in plan.num_scheduled_tokens.items()
-        if scheduler.requests[request_id].num_computed_tokens + num == scheduler.requests[request_id].num_tokens
+        request_id for request_id in plan.num_scheduled_tokens if scheduler.requests[request_id].num_output_placeholders
     ]
 
 
@@ -542,7 +541,8 @@ def test_abort_of_preempted_request_removes_it_from_waiting() -> None:
     assert preempted == ["b"]
     scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert list(scheduler.waiting) == []
-    assert "b" in scheduler.schedule().finished_request_ids
+    plan, _ = step(scheduler)
+    assert "b" in plan.finished_request_ids
     run_to_completion(scheduler)
     assert_all_blocks_free(scheduler)
 
