@@ -42,7 +42,8 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = Field(
         None,
         description="The scheduler actor plans the next step while the workers run this one (the tokens it will "
-        "sample are placeholders until it returns); None: on when TP = PP = 1, the only layout it supports.",
+        "sample are placeholders until it returns); needs TP = PP = 1. None: on for one CUDA worker; off on CPU, "
+        "where the worker's compute shares the cores with the scheduler's bookkeeping and overlap measured no gain.",
     )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."
@@ -80,9 +81,11 @@ class EngineConfig(BaseModel):
             raise ValueError("async_scheduling needs tensor_parallel_size = pipeline_parallel_size = 1")
         return self
 
-    @property
-    def uses_async_scheduling(self) -> bool:
-        return self.world_size == 1 if self.async_scheduling is None else self.async_scheduling
+    def uses_async_scheduling(self, device: str) -> bool:
+        """Whether the scheduler actor plans ahead, for workers on `device` ("cpu" or "cuda")."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.world_size == 1 and device == "cuda"
 
     @property
     def world_size(self) -> int:

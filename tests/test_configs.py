@@ -29,9 +29,10 @@ def test_default_preset_is_what_make_serve_promises():
 def test_tp3_preset_splits_smollm2_three_ways():
     config = AppConfig.from_yaml("smollm2-tp3")
     assert config.parallel.tensor_parallel_size == 3
-    # Other ranks learn sampled tokens from the plans: async scheduling is off there by default.
-    assert not config.engine_config().uses_async_scheduling
-    assert AppConfig.from_yaml("default").engine_config().uses_async_scheduling
+    # Other ranks learn sampled tokens from the plans: async scheduling is off there by default, even on CUDA.
+    assert not config.engine_config().uses_async_scheduling("cuda")
+    default = AppConfig.from_yaml("default").engine_config()
+    assert default.uses_async_scheduling("cuda") and not default.uses_async_scheduling("cpu")
 
 
 def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
@@ -40,7 +41,9 @@ def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size"):
         AppConfig.from_yaml(bad).engine_config()
     bad.write_text("scheduler:\n  async_scheduling: false\n")
-    assert not AppConfig.from_yaml(bad).engine_config().uses_async_scheduling
+    assert not AppConfig.from_yaml(bad).engine_config().uses_async_scheduling("cuda")
+    bad.write_text("scheduler:\n  async_scheduling: true\n")
+    assert AppConfig.from_yaml(bad).engine_config().uses_async_scheduling("cpu")
 
 
 def test_unknown_key_is_rejected_with_its_name(tmp_path):

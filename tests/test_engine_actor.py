@@ -196,9 +196,9 @@ def test_stream_interval_sends_tokens_in_chunks_with_the_same_tokens(ray_cluster
 
 
 def test_async_scheduling_gives_the_same_tokens_as_one_step_at_a_time(ray_cluster, tiny_model_dir, engine):
-    """The default engine (TP = PP = 1) plans each step while the previous one runs; the tokens, finishes and
-    logprobs must be those of an engine that waits for every step, and no block may stay taken."""
-    sync_engine = start_engine(tiny_model_dir, async_scheduling=False)
+    """An engine that plans each step while the previous one runs gives the tokens, finishes and logprobs of one
+    that waits for every step (the default on CPU), and no block stays taken."""
+    async_engine, sync_engine = start_engine(tiny_model_dir, async_scheduling=True), engine
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = {
         "greedy": ([5, 6, 7], greedy),
@@ -219,7 +219,7 @@ def test_async_scheduling_gives_the_same_tokens_as_one_step_at_a_time(ray_cluste
         return collect_completions(actor, client_id, keys)
 
     try:
-        pipelined, stepwise = run(engine, "client-async"), run(sync_engine, "client-sync")
+        pipelined, stepwise = run(async_engine, "client-async"), run(sync_engine, "client-sync")
         # Batches may group differently, so float sums may round differently: logprobs match closely, tokens exactly.
         for key, completion in pipelined.items():
             assert (completion["tokens"], completion["finish"]) == (stepwise[key]["tokens"], stepwise[key]["finish"])
@@ -229,12 +229,12 @@ def test_async_scheduling_gives_the_same_tokens_as_one_step_at_a_time(ray_cluste
         assert pipelined[("stop-token", 0)]["tokens"][-1] == third_token
         assert pipelined[("stop-token", 0)]["finish"] == ("stop", third_token)
         assert [len(entry.top_logprobs) for entry in pipelined[("logprobs", 0)]["logprobs"]] == [2] * 5
-        for actor, pipelines in ((engine, True), (sync_engine, False)):
+        for actor, pipelines in ((async_engine, True), (sync_engine, False)):
             stats = ray.get(actor.stats.remote(), timeout=30)
             assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
             assert (stats["num_steps_planned_ahead"] > stats["num_steps"] / 2) == pipelines
     finally:
-        ray.kill(sync_engine)
+        ray.kill(async_engine)
 
 
 def collect_completions(engine, client_id: str, keys: set[tuple[str, int]], timeout_s: float = 60) -> dict:

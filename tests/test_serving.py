@@ -22,7 +22,8 @@ MODEL = "smollm2-135m-instruct"
 SMOL_APP = AppConfig.model_validate(
     {
         "cache": {"num_kv_blocks": 512},
-        "scheduler": {"max_num_seqs": 32},
+        # Planned ahead, as on one CUDA worker (CPU's default is one step at a time, which other modules serve).
+        "scheduler": {"max_num_seqs": 32, "async_scheduling": True},
         "parallel": {"worker_num_cpus": 1},
         "serve": {"app_name": "smol", "route_prefix": "/smol", "ingress_num_cpus": 0.1},
     }
