@@ -3,17 +3,24 @@ tokens step N samples. Driven by a runner that keeps its own tokens, as a single
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Callable
 
 import pytest
 
 from configs.sampling_params import SamplingParams
-from executor.request import Request, RequestStatus
+from executor.request import Request
 from executor.scheduler import RequestUpdate, Scheduler
 from model_executor.step_plan import StepPlan, StepResult
-from tests.test_scheduler import EOS, TOKEN, assert_all_blocks_free, make_request, make_scheduler, prompt_of
+from tests.test_scheduler import (
+    EOS,
+    TOKEN,
+    RandomWorkload,
+    assert_all_blocks_free,
+    make_request,
+    make_scheduler,
+    prompt_of,
+)
 
 
 class SingleRankRunner:
@@ -219,57 +226,27 @@ def test_a_sibling_waits_for_a_plan_after_the_one_that_schedules_the_shared_prom
 def test_random_workload_pipelined_keeps_every_invariant(seed: int, depth: int, prioritize_prefill: bool) -> None:
     """Shared prefixes, n > 1 siblings, aborts, EOS, chunked prefill and preemption with two (or three) plans in
     flight."""
-    rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4, 16])
-    num_blocks = rng.randint(4, 40)
-    scheduler = make_scheduler(
-        num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=rng.choice([1, 3, 8, 32, 128]),
-        max_num_seqs=rng.choice([1, 2, 4, 64]),
-        enable_prefix_caching=rng.random() < 0.7,
-        prioritize_prefill=prioritize_prefill,
-    )
-    runner = SingleRankRunner(block_size, sample=lambda _: EOS if rng.random() < 0.1 else rng.randrange(3, 50))
-    pool = scheduler.kv_cache.pool
-    prefixes = [[rng.randrange(3, 50) for _ in range(rng.randint(1, 3 * block_size + 3))] for _ in range(3)]
-    requests: dict[str, Request] = {}
-    aborted: set[str] = set()
+    workload = RandomWorkload(seed, prioritize_prefill)
+    scheduler = workload.scheduler
+    runner = SingleRankRunner(workload.block_size, sample=workload.sample)
 
     def between_steps() -> None:
-        if len(requests) < 24 and rng.random() < 0.3:
-            prompt = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(0, 2 * block_size))]
-            prompt = prompt[: num_blocks * block_size - 1]
-            max_tokens, ignore_eos = rng.randint(1, 12), rng.random() < 0.5
-            parent = len(requests)
-            for index in range(rng.choice([1, 1, 2, 3])):
-                gate = f"p{parent}#0" if index else None
-                request = make_request(f"p{parent}#{index}", prompt, max_tokens, gate, ignore_eos=ignore_eos)
-                scheduler.add_request(request)
-                requests[request.request_id] = request
-        if scheduler.requests and rng.random() < 0.05:
-            victim = rng.choice(list(scheduler.requests))
-            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
-            aborted.add(victim)
-        holders: dict[int, int] = {}
-        for blocks in scheduler.kv_cache.request_blocks.values():
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        assert [block.ref_cnt for block in pool.blocks] == [holders.get(i, 0) for i in range(num_blocks)]
-        assert sorted(pool.free_queue.block_ids()) == [block.block_id for block in pool.blocks if block.ref_cnt == 0]
-        assert len(scheduler.running) <= scheduler.max_num_seqs
+        if workload.num_parents < 12:
+            workload.maybe_add_parent()
+        workload.maybe_abort()
+        workload.assert_blocks_accounted()
 
     outputs, _ = run_pipelined(
-        scheduler, runner, depth, between_steps=between_steps, arrivals_done=lambda: len(requests) >= 24
+        scheduler, runner, depth, between_steps=between_steps, arrivals_done=lambda: workload.num_parents >= 12
     )
-    assert not scheduler.has_unfinished_requests() and requests
+    assert not scheduler.has_unfinished_requests() and workload.requests
     assert_all_blocks_free(scheduler)
-    for request_id, request in requests.items():
+    for request_id, request in workload.requests.items():
         delivered = outputs.get(request_id, [])
         assert delivered == request.output_token_ids
         sampled = runner.sampled.get(request_id, [])
         assert delivered == sampled[: len(delivered)]
-        if request_id in aborted:
+        if request_id in workload.aborted:
             continue
         assert request.status.is_finished and len(delivered) <= request.max_tokens
         # At most the steps planned behind a stop token run for nothing; a length limit costs none.

@@ -627,51 +627,84 @@ def test_gated_sibling_keeps_its_place_in_the_queue() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["r"]
 
 
-@pytest.mark.parametrize("prioritize_prefill", [False, True])
-@pytest.mark.parametrize("seed", range(12))
-def test_random_workload_keeps_every_invariant(seed: int, prioritize_prefill: bool) -> None:
-    """Shared prefixes, n > 1 siblings, aborts, EOS, chunked prefill and preemption mixed at random."""
-    rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4, 16])
-    num_blocks = rng.randint(4, 40)
-    scheduler = make_scheduler(
-        num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=rng.choice([1, 3, 8, 32, 128]),
-        max_num_seqs=rng.choice([1, 2, 4, 64]),
-        enable_prefix_caching=rng.random() < 0.7,
-        prioritize_prefill=prioritize_prefill,
-    )
-    runner = FakeRunner()
-    pool = scheduler.kv_cache.pool
-    prefixes = [[rng.randrange(3, 50) for _ in range(rng.randint(1, 3 * block_size + 3))] for _ in range(3)]
-    num_parents = 0
-    for _ in range(1000):
-        if num_parents < 12 and rng.random() < 0.3:
-            prompt = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(0, 2 * block_size))]
-            prompt = prompt[: num_blocks * block_size - 1]
-            max_tokens, ignore_eos = rng.randint(1, 12), rng.random() < 0.5
-            for index in range(rng.choice([1, 1, 2, 3])):
-                gate = f"p{num_parents}#0" if index else None
-                request = make_request(f"p{num_parents}#{index}", prompt, max_tokens, gate, ignore_eos=ignore_eos)
-                scheduler.add_request(request)
-            num_parents += 1
-        if scheduler.requests and rng.random() < 0.05:
-            scheduler.finish_requests([rng.choice(list(scheduler.requests))], RequestStatus.FINISHED_ABORTED)
-        plan = scheduler.schedule()
-        assert plan.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
-        assert len(scheduler.running) <= scheduler.max_num_seqs
-        runner.apply(scheduler, plan)
+class RandomWorkload:
+    """A seeded mix for the invariant tests: a scheduler of random shape and cache size; parents of 1-3 siblings
+    whose prompts share prefixes, with random max_tokens and ignore_eos; random aborts and sampled tokens."""
+
+    def __init__(self, seed: int, prioritize_prefill: bool):
+        rng = self.rng = random.Random(seed)
+        self.block_size = rng.choice([1, 2, 4, 16])
+        self.num_blocks = rng.randint(4, 40)
+        self.scheduler = make_scheduler(
+            self.num_blocks,
+            block_size=self.block_size,
+            max_num_batched_tokens=rng.choice([1, 3, 8, 32, 128]),
+            max_num_seqs=rng.choice([1, 2, 4, 64]),
+            enable_prefix_caching=rng.random() < 0.7,
+            prioritize_prefill=prioritize_prefill,
+        )
+        self.prefixes = [
+            [rng.randrange(3, 50) for _ in range(rng.randint(1, 3 * self.block_size + 3))] for _ in range(3)
+        ]
+        self.requests: dict[str, Request] = {}
+        self.num_parents = 0
+        self.aborted: set[str] = set()
+
+    def maybe_add_parent(self) -> None:
+        rng = self.rng
+        if rng.random() >= 0.3:
+            return
+        prompt = rng.choice(self.prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(0, 2 * self.block_size))]
+        prompt = prompt[: self.num_blocks * self.block_size - 1]
+        max_tokens, ignore_eos = rng.randint(1, 12), rng.random() < 0.5
+        parent = self.num_parents
+        for index in range(rng.choice([1, 1, 2, 3])):
+            gate = f"p{parent}#0" if index else None
+            request = make_request(f"p{parent}#{index}", prompt, max_tokens, gate, ignore_eos=ignore_eos)
+            self.scheduler.add_request(request)
+            self.requests[request.request_id] = request
+        self.num_parents += 1
+
+    def maybe_abort(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.requests and self.rng.random() < 0.05:
+            victim = self.rng.choice(list(scheduler.requests))
+            scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            self.aborted.add(victim)
+
+    def sample(self, _request_id: str = "") -> int:
+        return EOS if self.rng.random() < 0.1 else self.rng.randrange(3, 50)
+
+    def assert_blocks_accounted(self) -> None:
+        """Every block's ref count is the number of requests holding it; the free queue is the unheld blocks."""
+        scheduler, pool = self.scheduler, self.scheduler.kv_cache.pool
         holders: dict[int, int] = {}
         for blocks in scheduler.kv_cache.request_blocks.values():
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        assert [block.ref_cnt for block in pool.blocks] == [holders.get(i, 0) for i in range(num_blocks)]
+        assert [block.ref_cnt for block in pool.blocks] == [holders.get(i, 0) for i in range(self.num_blocks)]
         assert sorted(pool.free_queue.block_ids()) == [block.block_id for block in pool.blocks if block.ref_cnt == 0]
+        assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+@pytest.mark.parametrize("prioritize_prefill", [False, True])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workload_keeps_every_invariant(seed: int, prioritize_prefill: bool) -> None:
+    """Shared prefixes, n > 1 siblings, aborts, EOS, chunked prefill and preemption mixed at random."""
+    workload = RandomWorkload(seed, prioritize_prefill)
+    scheduler = workload.scheduler
+    runner = FakeRunner()
+    for _ in range(1000):
+        if workload.num_parents < 12:
+            workload.maybe_add_parent()
+        workload.maybe_abort()
+        plan = scheduler.schedule()
+        assert plan.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        runner.apply(scheduler, plan)
+        workload.assert_blocks_accounted()
         ids = sampling_ids(scheduler, plan)
-        tokens = [EOS if rng.random() < 0.1 else rng.randrange(3, 50) for _ in ids]
-        scheduler.update_from_output(plan, StepResult(ids, tokens))
-        if num_parents == 12 and not scheduler.has_unfinished_requests():
+        scheduler.update_from_output(plan, StepResult(ids, [workload.sample() for _ in ids]))
+        if workload.num_parents == 12 and not scheduler.has_unfinished_requests():
             break
     assert not scheduler.has_unfinished_requests()
     assert_all_blocks_free(scheduler)
