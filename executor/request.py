@@ -65,7 +65,8 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic()
         self.num_computed_tokens = 0  # tokens whose KV is written or being written by a step already scheduled
-        # Tokens that steps in flight will sample, not known here yet (async scheduling keeps up to one).
+        # Tokens that steps in flight will sample, not known here yet (async scheduling: the running step's and the
+        # one queued behind it).
         self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None

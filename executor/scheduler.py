@@ -94,10 +94,13 @@ class Scheduler:
         num_planned_before = gate.num_computed_tokens - plan.num_scheduled_tokens.get(gate.request_id, 0)
         return num_planned_before < gate.num_prompt_tokens - 1
 
+    def _length_limit(self, request: Request) -> int:
+        """Tokens (prompt included) at which the request finishes by length: max_tokens or the context."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
     def _length_limit_in_flight(self, request: Request) -> bool:
-        """The steps in flight sample the request's last token (max_tokens or the context): nothing left to run."""
-        limit = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        return request.num_tokens_with_placeholders >= limit
+        """The steps in flight sample the request's last token: nothing left to run."""
+        return request.num_tokens_with_placeholders >= self._length_limit(request)
 
     def _advance(self, plan: StepPlan, request: Request, num_new: int) -> None:
         """Count the step's tokens as computed now; reaching the end of the known tokens means one is sampled."""
@@ -256,7 +259,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
-        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_tokens >= self._length_limit(request):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
