@@ -56,7 +56,10 @@ def random_decode_case(
         (4, 4, 64, 16, None, torch.float32),
         (9, 3, 64, 16, None, torch.float32),
         (8, 2, 128, 32, None, torch.float32),
-        (6, 2, 40, 16, None, torch.float32),  # head_dim not a multiple of the 16 vector lanes
+        (6, 2, 40, 16, None, torch.float32),  # 5 chunks of 8 lanes: no register-resident path on any target
+        (6, 2, 18, 16, None, torch.float32),  # head_dim not a multiple of any vector width
+        (4, 2, 32, 5, None, torch.float32),  # key tiles of 8 cross blocks of 5
+        (4, 2, 128, 16, 13, torch.float32),  # a window starting inside a block and a tile
         (8, 2, 64, 16, 20, torch.float32),
         (4, 1, 64, 16, None, torch.bfloat16),
     ],

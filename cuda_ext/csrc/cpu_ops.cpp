@@ -1,7 +1,9 @@
 // pagedserve's CPU kernels: paged decode attention that reads KV blocks in place, the KV-cache write, and the
 // fused per-layer elementwise ops (residual add + RMSNorm, rotary embedding, SiLU-and-mul). Each replaces
 // several torch ops (and as many passes over memory) with one; every one has a torch reference in Python.
-// fp32 takes a 16-lane vector path (one AVX-512 register, two AVX2 ones); other dtypes a scalar one.
+// fp32 takes a vector path as wide as the build target's registers (16 lanes with AVX-512, 8 with AVX2, 4
+// otherwise); other dtypes a scalar one.
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <ATen/Dispatch.h>
@@ -11,13 +13,21 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-typedef float Lanes __attribute__((vector_size(64)));
-typedef int32_t IntLanes __attribute__((vector_size(64)));
+// One hardware register: a wider generic vector than the target has is expanded piecewise, several times slower.
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float Lanes __attribute__((vector_size(kLanes * 4)));
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * 4)));
 // Fewer elements than this per chunk run on one thread: waking the pool costs more than the work, and on a
 // busy machine a descheduled pool thread stalls the whole region.
 constexpr int64_t kMinParallelElements = 1 << 18;
@@ -40,12 +50,17 @@ inline Lanes broadcast(float value) {
   return Lanes{} + value;
 }
 
+// A shuffle tree, not a serial chain of lane adds (the compiler may not reorder float adds itself).
 inline float sum_lanes(Lanes lanes) {
-  float total = 0.f;
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    total += lanes[lane];
-  }
-  return total;
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(lanes);
+#elif defined(__AVX__)
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#else
+  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+#endif
 }
 
 // exp(x) = 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2; e^r by its degree-6 Taylor polynomial
@@ -135,6 +150,137 @@ inline float exp_and_sum(float* row, int64_t count, float max) {
 }
 
 constexpr int64_t kMaxHeadDim = 512;
+// Keys per dot-product tile: their lane sums are folded together, not one horizontal sum per key.
+constexpr int64_t kKeyTile = 8;
+
+// sums[i] = the lanes of partials[i] added, for a tile of kKeyTile partial dot products.
+inline void sum_each_lanes(const Lanes* partials, float* sums) {
+#if defined(__AVX__)
+  __m256 eight[kKeyTile];
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+#if defined(__AVX512F__)
+    const __m512 wide = partials[i];
+    eight[i] = _mm256_add_ps(
+        _mm512_castps512_ps256(wide), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1)));
+#else
+    eight[i] = partials[i];
+#endif
+  }
+  // Two rounds of pairwise adds leave, per 128-bit half, the four partial sums of four rows; one swap of
+  // halves and an add finish all eight.
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(eight[0], eight[1]), _mm256_hadd_ps(eight[2], eight[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(eight[4], eight[5]), _mm256_hadd_ps(eight[6], eight[7]));
+  _mm256_storeu_ps(
+      sums,
+      _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31)));
+#else
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+    sums[i] = sum_lanes(partials[i]);
+  }
+#endif
+}
+
+// Steps through one request's cached rows of one KV head in token order, with no division per row.
+struct CacheRowCursor {
+  const float* cache;
+  const int32_t* table;
+  int64_t block_size;
+  int64_t block_stride;
+  int64_t token_stride;
+  int64_t block;
+  int64_t offset;
+
+  const float* row() const {
+    return cache + table[block] * block_stride + offset * token_stride;
+  }
+  void next() {
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+};
+
+// One fp32 head of decode attention with head_dim = kChunks * kLanes: the query and the output accumulators
+// live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
+template <int64_t kChunks>
+void attend_head_lanes(
+    const float* query,
+    float scale,
+    CacheRowCursor keys,
+    CacheRowCursor values,
+    int64_t num_keys,
+    float* scores,
+    float* output) {
+  Lanes scaled_query[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) {
+    scaled_query[c] = load_lanes(query + c * kLanes) * scale;
+  }
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t key = 0; key < num_keys; key += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, num_keys - key);
+    Lanes partials[kKeyTile] = {};
+    for (int64_t i = 0; i < count; ++i, keys.next()) {
+      const float* row = keys.row();
+      Lanes dot = scaled_query[0] * load_lanes(row);
+      for (int64_t c = 1; c < kChunks; ++c) {
+        dot += scaled_query[c] * load_lanes(row + c * kLanes);
+      }
+      partials[i] = dot;
+    }
+    sum_each_lanes(partials, scores + key);
+    for (int64_t i = 0; i < count; ++i) {
+      max_score = std::max(max_score, scores[key + i]);
+    }
+  }
+  const float inverse_sum = 1.f / exp_and_sum(scores, num_keys, max_score);
+  // Two sets of accumulators when they fit in registers: one FMA chain per set would wait on its latency.
+  constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
+  Lanes accumulators[kStreams][kChunks] = {};
+  int64_t key = 0;
+  for (; key + kStreams <= num_keys; key += kStreams) {
+    for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
+      const float* row = values.row();
+      const Lanes weight = broadcast(scores[key + stream]);
+      for (int64_t c = 0; c < kChunks; ++c) {
+        accumulators[stream][c] += weight * load_lanes(row + c * kLanes);
+      }
+    }
+  }
+  for (; key < num_keys; ++key, values.next()) {
+    const float* row = values.row();
+    const Lanes weight = broadcast(scores[key]);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      accumulators[0][c] += weight * load_lanes(row + c * kLanes);
+    }
+  }
+  for (int64_t c = 0; c < kChunks; ++c) {
+    Lanes total = accumulators[0][c];
+    for (int64_t stream = 1; stream < kStreams; ++stream) {
+      total += accumulators[stream][c];
+    }
+    store_lanes(output + c * kLanes, total * inverse_sum);
+  }
+}
+
+using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*);
+
+// The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
+inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    return nullptr;
+  }
+  switch (head_dim / kLanes) {
+    case 4:
+      return attend_head_lanes<4>;
+    case 8:
+      return attend_head_lanes<8>;
+    case 16:
+      return attend_head_lanes<16>;
+    default:
+      return nullptr;
+  }
+}
 
 template <typename scalar_t>
 void decode_attention_kernel(
@@ -160,6 +306,10 @@ void decode_attention_kernel(
   // One work item per request. Head by head, so a head's query and accumulator stay in registers; the
   // request's keys and values come from memory for the first head and from L2 for the others.
   const int64_t work_per_seq = num_heads * max_blocks * block_size * head_dim * 2;
+  AttendHeadLanes attend_lanes = nullptr;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    attend_lanes = attend_head_lanes_for(head_dim);
+  }
   at::parallel_for(0, num_seqs, grain_rows(work_per_seq), [&](int64_t begin, int64_t end) {
     alignas(64) float scaled_query[kMaxHeadDim];
     alignas(64) float accumulator[kMaxHeadDim];
@@ -169,10 +319,22 @@ void decode_attention_kernel(
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t num_keys = seq_len - first;
       const int32_t* table = block_tables + seq * max_blocks;
-      scores.resize(num_keys);
+      scores.resize(num_keys + kKeyTile);
       for (int64_t head = 0; head < num_heads; ++head) {
         const int64_t kv_offset = (head / group) * head_dim;
         const scalar_t* head_query = query + seq * query_stride + head * head_dim;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (attend_lanes != nullptr) {
+            const CacheRowCursor keys{
+                key_cache + kv_offset, table, block_size, cache_block_stride, cache_token_stride,
+                first / block_size, first % block_size};
+            CacheRowCursor values = keys;
+            values.cache = value_cache + kv_offset;
+            attend_lanes(
+                head_query, scale, keys, values, num_keys, scores.data(), output + seq * output_stride + head * head_dim);
+            continue;
+          }
+        }
         for (int64_t d = 0; d < head_dim; ++d) {
           scaled_query[d] = static_cast<float>(head_query[d]) * scale;
         }
