@@ -31,17 +31,52 @@ def embedded_ray_num_cpus(config: AppConfig) -> int:
     return max(int(needed) + 2, os.cpu_count() or 1)
 
 
+def direct_ingress_env(config: AppConfig) -> dict[str, str]:
+    """Ray Serve's settings that make the ingress replica serve HTTP on serve.port itself.
+
+    Serve reads them when its processes start, so they go into the environment of the Ray that this process starts.
+    """
+    port = config.serve.port
+    return {
+        # Ray's throughput bundle: direct ingress, user code and router on the replica's loop, GC frozen at start.
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        # Serve allocates replica ports from [min, max): exactly serve.port.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        # The bundle sends replica logs to files only; a user of `pagedserve serve` reads them on the console.
+        "RAY_SERVE_LOG_TO_STDERR": "1",
+        # A freed port waits out a quarantine meant for HAProxy; with none in front, a replacement replica takes it.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        # Our own drain finishes the requests in flight before the app is deleted: no extra wait on top.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    }
+
+
 def start_ray(config: AppConfig) -> bool:
     """Connect to RAY_ADDRESS or start an embedded Ray; True when this process started (and so owns) Ray."""
     import ray
 
+    address = os.environ.get("RAY_ADDRESS")
+    started_elsewhere = ray.is_initialized() or bool(address)
+    if config.serve.direct_ingress and started_elsewhere and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        raise ValueError(
+            "serve.direct_ingress applies to the Ray that `pagedserve serve` starts; for a Ray started "
+            "elsewhere, start it with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 instead"
+        )
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
         ray.init(address=address)
         return False
+    if config.serve.direct_ingress:
+        os.environ.update(direct_ingress_env(config))
+        logger.info(
+            "direct ingress: the ingress replica serves port %d, Serve's proxy port %d",
+            config.serve.port,
+            config.serve.port + 1,
+        )
     # Ray resources are logical: an embedded Ray gets enough CPUs for every worker; torch threads are set apart.
     ray.init(num_cpus=embedded_ray_num_cpus(config), include_dashboard=False)
     return True
@@ -54,7 +89,8 @@ def deploy(config: AppConfig, blocking: bool = False) -> str:
     from serve_app.app import build_app
 
     start_ray(config)
-    serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+    proxy_port = config.serve.port + 1 if config.serve.direct_ingress else config.serve.port
+    serve.start(http_options={"host": config.serve.host, "port": proxy_port})
     serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix, blocking=False)
     host = "127.0.0.1" if config.serve.host in ("0.0.0.0", "::") else config.serve.host
     prefix = config.serve.route_prefix.rstrip("/")

@@ -46,6 +46,27 @@ def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
     assert AppConfig.from_yaml(bad).engine_config().uses_async_scheduling("cpu")
 
 
+def test_direct_ingress_is_refused_with_more_than_one_ingress_replica_or_a_foreign_ray(tmp_path, monkeypatch):
+    from cluster.serve import direct_ingress_env, start_ray
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("serve:\n  direct_ingress: true\n  ingress_replicas: 2\n")
+    with pytest.raises(ValueError, match="one ingress replica"):
+        AppConfig.from_yaml(bad)
+    bad.write_text("serve:\n  direct_ingress: true\n  port: 9100\n")
+    config = AppConfig.from_yaml(bad)
+    env = direct_ingress_env(config)
+    # Serve hands replica ports out of [min, max): exactly the configured one.
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
+        "9100",
+        "9101",
+    )
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_DIRECT_INGRESS=1"):
+        start_ray(config)
+
+
 def test_unknown_key_is_rejected_with_its_name(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("cache:\n  blok_size: 32\n")

@@ -370,6 +370,49 @@ def test_graceful_shutdown_refuses_new_requests_finishes_or_ends_the_rest_and_le
     assert not ray_actors(f"ServeReplica:{APP}:")
 
 
+def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a_crash(tmp_path):
+    """serve.direct_ingress: the ingress replica itself listens on serve.port (Serve's proxy on port + 1); a
+    replacement replica takes the port back at once after the first one is killed; SIGTERM still drains."""
+    port = free_port()
+    while port_in_use(port + 1):  # where Serve's proxy goes
+        port = free_port()
+    server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="direct", direct_ingress=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "pagedserve serve up")
+        wait_until(lambda: f"Started HTTP server on port {port}" in log_path.read_text(), 30, "replica on the port")
+        events = stream_events(base, {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True})
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        bad = httpx.post(f"{base}/v1/completions", json={"prompt": [5], "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert completes(f"http://127.0.0.1:{port + 1}")  # Serve's proxy, one hop longer, still routes
+
+        replicas = [pid for pid in ray_processes_of(ray_tmpdir) if b"ServeReplica:direct:" in cmdline(pid)]
+        assert len(replicas) == 1
+        os.kill(replicas[0], signal.SIGKILL)
+        wait_until(lambda: completes(base), 120, "a replacement replica serving the port")
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+    wait_until(lambda: not ray_processes_of(ray_tmpdir), 30, "every process of its Ray gone")
+
+
+def port_in_use(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def ray_processes_of(ray_tmpdir: str) -> list[int]:
     """Processes (Ray's daemons and workers) whose environment points at this Ray temp dir."""
     marker = f"RAY_TMPDIR={ray_tmpdir}".encode()
@@ -384,8 +427,9 @@ def ray_processes_of(ray_tmpdir: str) -> list[int]:
     return pids
 
 
-def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
-    port = free_port()
+def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[subprocess.Popen, str, Path]:
+    """`pagedserve serve` on the tiny model in a Ray of its own: nothing of this session's cluster may count, and
+    nothing of its own may stay. Returns the process, its Ray temp dir and its log."""
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(
         json.dumps(
@@ -393,11 +437,10 @@ def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
                 "model": {"name": "tiny-random-llama"},
                 "cache": {"num_kv_blocks": 128},
                 "parallel": {"worker_num_cpus": 0.5, "num_threads": 1},
-                "serve": {"app_name": "sigterm", "port": port, "ingress_num_cpus": 0.1},
+                "serve": {"port": port, "ingress_num_cpus": 0.1, **serve_section},
             }
         )
     )
-    # A Ray of its own: nothing of this session's cluster may count, and nothing of its own may stay.
     ray_tmpdir = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmpdir, RAY_USAGE_STATS_ENABLED="0")
@@ -409,6 +452,12 @@ def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
             stderr=subprocess.STDOUT,
             env=env,
         )
+    return server, ray_tmpdir, log_path
+
+
+def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
+    port = free_port()
+    server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="sigterm")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "pagedserve serve up")
