@@ -214,6 +214,22 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     assert not lock.exists()
 
 
+@pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (5, 40), (1, 8), (3, 1536)])
+def test_one_token_linear_matches_torch_at_any_shape(rows: int, columns: int) -> None:
+    ops = load_cpu_ops()
+    generator = torch.Generator().manual_seed(rows * 1000 + columns)
+    # A column slice of a wider matrix: rows further apart than their length, as a tensor-parallel shard could be.
+    weight = torch.randn(rows, columns + 5, generator=generator)[:, 2 : 2 + columns]
+    x = torch.randn(columns, generator=generator)
+    out = torch.full((rows,), float("nan"))
+    ops.linear_one_token(out, x, weight)
+    torch.testing.assert_close(out, weight @ x, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.linear_one_token(out, torch.randn(columns + 1), weight)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.linear_one_token(out.double(), x.double(), weight.double())
+
+
 def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None:
     from executor import LLM
     from model_executor.layers.linear import PackableWeight, apply_linear, pack_weight_for_cpu
@@ -226,8 +242,10 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
         x = torch.randn(rows, 576, generator=generator)
         expected = torch.nn.functional.linear(x, weight, bias)
         torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)
+        one_token = apply_linear(x, weight, packed, bias, load_cpu_ops())
+        torch.testing.assert_close(one_token, expected, atol=1e-4, rtol=1e-5)
     llm = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=16, show_progress=False)
     modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
     # q/k/v, o, gate/up and down per layer, plus the LM head.
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(module.packed_weight is not None for module in modules)
+    assert all(module.packed_weight is not None and module.one_token_ops is not None for module in modules)

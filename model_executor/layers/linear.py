@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -61,20 +62,36 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def apply_linear(
-    x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed_weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    one_token_ops: ModuleType | None = None,
 ) -> torch.Tensor:
+    if one_token_ops is not None and x.dim() == 2 and x.shape[0] == 1:
+        # One token is a matrix-vector product, bound by how fast the weight streams: our kernel reads it at
+        # the memory's rate, oneDNN's packed GEMM at about two thirds of it.
+        out = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        one_token_ops.linear_one_token(out[0], x[0].contiguous(), weight)
+        return out.add_(bias) if bias is not None else out
     if packed_weight is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
     return nn.functional.linear(x, weight, bias)
 
 
 class PackableWeight:
-    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU."""
+    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU, and our one-token
+    kernel over the plain weight for a single fp32 row."""
 
     packed_weight: torch.Tensor | None = None
+    one_token_ops: ModuleType | None = None
 
     def pack_weights(self) -> None:
+        from cuda_ext.cpu_ops import load_cpu_ops
+
         self.packed_weight = pack_weight_for_cpu(self.weight)
+        if self.packed_weight is not None and self.weight.dtype == torch.float32:
+            self.one_token_ops = load_cpu_ops()
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):
@@ -88,7 +105,7 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.packed_weight, self.bias)
+        return apply_linear(x, self.weight, self.packed_weight, self.bias, self.one_token_ops)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
@@ -161,7 +178,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(apply_linear(x, self.weight, self.packed_weight))
+        y = self.parallel.all_reduce(apply_linear(x, self.weight, self.packed_weight, one_token_ops=self.one_token_ops))
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
