@@ -6,11 +6,16 @@ so CPU serving falls back to the pure-torch attention path rather than failing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -19,19 +24,47 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 EXTENSION_NAME = "pagedserve_cpu_ops"
-# A build takes well under this; an older lock was left by a killed build and would make every load wait forever.
-STALE_LOCK_S = 600
+# Longest wait for another process's build of the same kernels; a build takes about a minute.
+BUILD_WAIT_S = 900
 
 
-def _remove_stale_build_lock(build_directory: Path) -> None:
-    lock = build_directory / "lock"
+@contextlib.contextmanager
+def _exclusive_build(build_directory: Path) -> Iterator[None]:
+    """Serialize our builds with an OS lock, which dies with its holder, unlike torch's lock file.
+
+    A build killed mid-way leaves torch's `lock` file behind and torch waits on it forever; holding the OS lock
+    means no build of ours is running, so any such file is a leftover and is removed.
+    """
+    with open(build_directory.with_suffix(".flock"), "a") as lock_file:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another build of the CPU kernels held its lock for {BUILD_WAIT_S} s") from None
+                time.sleep(0.5)
+        try:
+            torch_lock = build_directory / "lock"
+            if torch_lock.exists():
+                logger.warning("removing a build lock left by a killed build: %s", torch_lock)
+                torch_lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def build_name() -> str:
+    """The extension's name on this CPU: a build cached by torch must never be loaded on a CPU lacking its ISA."""
+    # torch keys its cache on sources and flags only, and `-march=native` reads the same everywhere.
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+        cpu_flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))
+        )
+    except (OSError, StopIteration):
+        cpu_flags = platform.machine()
+    return f"{EXTENSION_NAME}_{hashlib.sha256(cpu_flags.encode()).hexdigest()[:10]}"
 
 
 @functools.cache
@@ -44,16 +77,18 @@ def load_cpu_ops() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False)))
     try:
-        # -march=native: the build runs on (and is cached for) the machine that uses it.
-        return cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = build_name()
+        build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _exclusive_build(build_directory):
+            # -march=native: the build runs on (and is cached for) the machine that uses it.
+            return cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as error:  # a broken toolchain must not take serving down
         logger.warning("building the CPU kernels failed (%s): CPU attention uses the pure-torch path", error)
         return None
