@@ -67,6 +67,13 @@ def build_name() -> str:
     return f"{EXTENSION_NAME}_{hashlib.sha256(cpu_flags.encode()).hexdigest()[:10]}"
 
 
+def build_directory() -> Path:
+    """Where torch builds and caches the extension for this CPU."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(build_name(), verbose=False))
+
+
 @functools.cache
 def load_cpu_ops() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV) == "1":
@@ -78,12 +85,10 @@ def load_cpu_ops() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        name = build_name()
-        build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-        with _exclusive_build(build_directory):
+        with _exclusive_build(build_directory()):
             # -march=native: the build runs on (and is cached for) the machine that uses it.
             return cpp_extension.load(
-                name=name,
+                name=build_name(),
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

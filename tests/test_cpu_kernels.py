@@ -6,7 +6,6 @@ import fcntl
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from cuda_ext.attention import get_attention_backend
 from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
-from cuda_ext.cpu_ops import load_cpu_ops
+from cuda_ext.cpu_ops import build_directory, load_cpu_ops
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
@@ -205,18 +204,10 @@ def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
 LOAD_SCRIPT = "from cuda_ext.cpu_ops import load_cpu_ops\nassert load_cpu_ops() is not None\n"
 
 
-def _build_directory() -> Path:
-    from torch.utils import cpp_extension
-
-    from cuda_ext.cpu_ops import build_name
-
-    return Path(cpp_extension._get_build_directory(build_name(), verbose=False))
-
-
 def test_a_lock_left_by_a_killed_build_does_not_block_loading() -> None:
     """torch's lock file outlives a killed build, and torch alone would wait on it forever."""
     load_cpu_ops()  # built and cached, so the loader below only has to get past the lock
-    torch_lock = _build_directory() / "lock"
+    torch_lock = build_directory() / "lock"
     torch_lock.touch()  # as fresh as a build killed a moment ago
     result = subprocess.run([sys.executable, "-c", LOAD_SCRIPT], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -225,7 +216,7 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading() -> None:
 
 def test_a_second_loader_waits_for_a_running_build_then_loads() -> None:
     load_cpu_ops()
-    with open(_build_directory().with_suffix(".flock"), "a") as lock_file:
+    with open(build_directory().with_suffix(".flock"), "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # a build in another process holds the lock
         loader = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT], stderr=subprocess.PIPE, text=True)
         try:
