@@ -125,6 +125,8 @@ class EngineActor:
         self.orphan_timeout_s = orphan_timeout_s
         self.client_seen: dict[str, float] = {}
         self.last_client_activity = time.monotonic()
+        # Ingresses inside attach, waiting for the engine to start: present, however long the start takes.
+        self.num_attaching = 0
         self.terminating = False
         self.reaper_task: asyncio.Task | None = None
         self.early_aborts: dict[str, float] = {}
@@ -216,7 +218,8 @@ class EngineActor:
             for client_id, (_, since) in list(self.client_lease_failures.items()):
                 if since < now - CLIENT_LEASE_S:
                     del self.client_lease_failures[client_id]  # that ingress is gone for good
-            if self.orphan_timeout_s is not None and now - self.last_client_activity > self.orphan_timeout_s:
+            silent_s = now - self.last_client_activity
+            if self.orphan_timeout_s is not None and not self.num_attaching and silent_s > self.orphan_timeout_s:
                 logger.warning("no ingress for %.0f s: this engine ends itself", self.orphan_timeout_s)
                 await self._terminate()
                 return
@@ -236,7 +239,12 @@ class EngineActor:
             raise EngineDrainingError("this engine is ending: its last ingress left")
         self._touch(client_id)
         self._ensure_watcher()
-        info = await self.engine_info()
+        self.num_attaching += 1
+        try:
+            info = await self.engine_info()
+        finally:
+            self.num_attaching -= 1
+            self._touch(client_id)
         return {**info, "engine_config": self.config.model_dump()}
 
     async def detach(self, client_id: str) -> int:

@@ -230,6 +230,29 @@ def test_silent_ingress_early_abort_and_orphaned_engine(ray_cluster, tiny_model_
         ray.kill(actor)
 
 
+def test_an_engine_slower_to_start_than_its_orphan_timeout_still_serves_its_ingress(ray_cluster, tiny_model_dir):
+    """An ingress waiting in attach while the workers start is present: a start longer than the orphan timeout (a
+    kernel build, a slow node) must not end the engine under it, which the ingress would recreate forever."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1)
+    # Starting a worker process and loading the model takes seconds; the engine would orphan itself after 1.
+    actor = (
+        ray.remote(EngineActor)
+        .options(num_cpus=0, lifetime="detached", name="slow-start-test", namespace=ENGINE_NAMESPACE)
+        .remote(config, 0, 1.0, 1.0)
+    )
+    try:
+        started = time.monotonic()
+        info = ray.get(actor.attach.remote("ingress"), timeout=120)
+        assert time.monotonic() - started > 1.0  # the start really outlasted the orphan timeout
+        assert info["engine_config"]["num_kv_blocks"] == 64
+        parts = {"engine": actor._actor_id.hex(), "workers": []}
+        parts["placement_group"] = ray.get(actor.topology.remote(), timeout=30)["placement_group_id"]
+        # Once nobody is waiting and nobody polls, it still ends itself.
+        assert_all_gone(parts, timeout_s=30)
+    finally:
+        ray.kill(actor)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Failures inside the engine
 
