@@ -197,16 +197,21 @@ def test_disconnect_storm_frees_every_block_and_the_server_still_serves(base):
     assert all(completes(base) for _ in range(3))
 
 
+def detached_engine(model_dir: Path, name: str, request_lease_s: float, orphan_timeout_s: float) -> Any:
+    """A scheduler actor over the tiny model, detached and named as the ingress makes it."""
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1)
+    return (
+        ray.remote(EngineActor)
+        .options(num_cpus=0, lifetime="detached", name=name, namespace=ENGINE_NAMESPACE)
+        .remote(config, 0, request_lease_s, orphan_timeout_s)
+    )
+
+
 def test_silent_ingress_early_abort_and_orphaned_engine(ray_cluster, tiny_model_dir):
     """Scheduler actor alone, detached as the ingress makes it: an abort that overtakes its add_request (Ray runs an
     async actor's calls out of order) drops that request; the requests of a client that stops polling are aborted
     after the lease; with no ingress left at all the engine ends itself, and its placement group goes with it."""
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1)
-    actor = (
-        ray.remote(EngineActor)
-        .options(num_cpus=0, lifetime="detached", name="orphan-test", namespace=ENGINE_NAMESPACE)
-        .remote(config, 0, 2.0, 6.0)
-    )
+    actor = detached_engine(tiny_model_dir, "orphan-test", request_lease_s=2.0, orphan_timeout_s=6.0)
     try:
         parts = {"engine": actor._actor_id.hex(), "workers": []}
         ray.get(actor.engine_info.remote(), timeout=120)
@@ -233,13 +238,8 @@ def test_silent_ingress_early_abort_and_orphaned_engine(ray_cluster, tiny_model_
 def test_an_engine_slower_to_start_than_its_orphan_timeout_still_serves_its_ingress(ray_cluster, tiny_model_dir):
     """An ingress waiting in attach while the workers start is present: a start longer than the orphan timeout (a
     kernel build, a slow node) must not end the engine under it, which the ingress would recreate forever."""
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, worker_num_cpus=0.5, num_threads=1)
     # Starting a worker process and loading the model takes seconds; the engine would orphan itself after 1.
-    actor = (
-        ray.remote(EngineActor)
-        .options(num_cpus=0, lifetime="detached", name="slow-start-test", namespace=ENGINE_NAMESPACE)
-        .remote(config, 0, 1.0, 1.0)
-    )
+    actor = detached_engine(tiny_model_dir, "slow-start-test", request_lease_s=1.0, orphan_timeout_s=1.0)
     try:
         started = time.monotonic()
         info = ray.get(actor.attach.remote("ingress"), timeout=120)
