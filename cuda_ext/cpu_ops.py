@@ -74,6 +74,21 @@ def build_directory() -> Path:
     return Path(cpp_extension._get_build_directory(build_name(), verbose=False))
 
 
+def staged_source(build_directory: Path) -> Path:
+    """Our source copied to a path inside the build directory, the same for every checkout.
+
+    ninja reruns a build whose command changed, and the command names the source's absolute path: built from
+    each checkout's own file, a second checkout (a `ray job submit` working dir) would rebuild for a minute.
+    """
+    staged = build_directory / "src" / SOURCE.name
+    source_text = SOURCE.read_bytes()
+    # Rewritten only when the text differs: a fresh mtime alone would make ninja rebuild.
+    if not staged.exists() or staged.read_bytes() != source_text:
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.write_bytes(source_text)
+    return staged
+
+
 @functools.cache
 def load_cpu_ops() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV) == "1":
@@ -85,11 +100,12 @@ def load_cpu_ops() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        with _exclusive_build(build_directory()):
+        directory = build_directory()
+        with _exclusive_build(directory):
             # -march=native: the build runs on (and is cached for) the machine that uses it.
             return cpp_extension.load(
                 name=build_name(),
-                sources=[str(SOURCE)],
+                sources=[str(staged_source(directory))],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,

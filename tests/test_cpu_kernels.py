@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,6 +228,19 @@ def test_a_second_loader_waits_for_a_running_build_then_loads() -> None:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
     _, stderr = loader.communicate(timeout=300)
     assert loader.returncode == 0, stderr
+
+
+def test_a_second_checkout_loads_the_built_kernels_without_rebuilding(tmp_path: Path) -> None:
+    """A `ray job submit` working dir is a copy of the project at another path; it must not rebuild."""
+    load_cpu_ops()
+    built = build_directory() / f"{build_directory().name}.so"
+    built_at = built.stat().st_mtime_ns
+    shutil.copytree(Path(fused_ops.__file__).parent, tmp_path / "cuda_ext")
+    script = LOAD_SCRIPT + "import cuda_ext\nprint(cuda_ext.__file__)\n"
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(tmp_path))  # the copy's loader ran
+    assert built.stat().st_mtime_ns == built_at
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (5, 40), (1, 8), (3, 1536)])
