@@ -73,6 +73,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, PackableWeight):
                 module.pack_weights()
+        if self.model.prepare_one_token_stack():
+            logger.info("one-token decode steps run the decoder stack in one C++ call")
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0

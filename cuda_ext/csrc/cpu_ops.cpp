@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -304,69 +305,70 @@ void decode_attention_kernel(
     float scale,
     int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
-  // One work item per request. Head by head, so a head's query and accumulator stay in registers; the
-  // request's keys and values come from memory for the first head and from L2 for the others.
-  const int64_t work_per_seq = num_heads * max_blocks * block_size * head_dim * 2;
+  // One work item per (request, head), a request's heads next to each other: a head's query and accumulator
+  // stay in registers, and the request's keys and values come from memory for its first head and from L2 for
+  // the others. Items rather than requests, so one long request still spreads over the threads.
+  const int64_t work_per_head = max_blocks * block_size * head_dim * 2;
   AttendHeadLanes attend_lanes = nullptr;
   if constexpr (std::is_same_v<scalar_t, float>) {
     attend_lanes = attend_head_lanes_for(head_dim);
   }
-  at::parallel_for(0, num_seqs, grain_rows(work_per_seq), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * num_heads, grain_rows(work_per_head), [&](int64_t begin, int64_t end) {
     alignas(64) float scaled_query[kMaxHeadDim];
     alignas(64) float accumulator[kMaxHeadDim];
     std::vector<float> scores;
-    for (int64_t seq = begin; seq < end; ++seq) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_heads;
+      const int64_t head = item % num_heads;
       const int64_t seq_len = seq_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t num_keys = seq_len - first;
       const int32_t* table = block_tables + seq * max_blocks;
       scores.resize(num_keys + kKeyTile);
-      for (int64_t head = 0; head < num_heads; ++head) {
-        const int64_t kv_offset = (head / group) * head_dim;
-        const scalar_t* head_query = query + seq * query_stride + head * head_dim;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          if (attend_lanes != nullptr) {
-            const CacheRowCursor keys{
-                key_cache + kv_offset, table, block_size, cache_block_stride, cache_token_stride,
-                first / block_size, first % block_size};
-            CacheRowCursor values = keys;
-            values.cache = value_cache + kv_offset;
-            attend_lanes(
-                head_query, scale, keys, values, num_keys, scores.data(), output + seq * output_stride + head * head_dim);
-            continue;
-          }
+      const int64_t kv_offset = (head / group) * head_dim;
+      const scalar_t* head_query = query + seq * query_stride + head * head_dim;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (attend_lanes != nullptr) {
+          const CacheRowCursor keys{
+              key_cache + kv_offset, table, block_size, cache_block_stride, cache_token_stride,
+              first / block_size, first % block_size};
+          CacheRowCursor values = keys;
+          values.cache = value_cache + kv_offset;
+          attend_lanes(
+              head_query, scale, keys, values, num_keys, scores.data(), output + seq * output_stride + head * head_dim);
+          continue;
         }
-        for (int64_t d = 0; d < head_dim; ++d) {
-          scaled_query[d] = static_cast<float>(head_query[d]) * scale;
+      }
+      for (int64_t d = 0; d < head_dim; ++d) {
+        scaled_query[d] = static_cast<float>(head_query[d]) * scale;
+      }
+      float max_score = -std::numeric_limits<float>::infinity();
+      // Walk block by block: no integer division per key.
+      for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % block_size : 0;
+        const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+        const scalar_t* key_row =
+            key_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, key_row += cache_token_stride) {
+          const float dot = dot_row<scalar_t>(scaled_query, key_row, head_dim);
+          scores[key] = dot;
+          max_score = std::max(max_score, dot);
         }
-        float max_score = -std::numeric_limits<float>::infinity();
-        // Walk block by block: no integer division per key.
-        for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
-          const int64_t offset = key == 0 ? first % block_size : 0;
-          const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
-          const scalar_t* key_row =
-              key_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
-          for (int64_t i = 0; i < count; ++i, ++key, key_row += cache_token_stride) {
-            const float dot = dot_row<scalar_t>(scaled_query, key_row, head_dim);
-            scores[key] = dot;
-            max_score = std::max(max_score, dot);
-          }
+      }
+      const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
+      std::fill(accumulator, accumulator + head_dim, 0.f);
+      for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % block_size : 0;
+        const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+        const scalar_t* value_row =
+            value_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, value_row += cache_token_stride) {
+          add_scaled_row<scalar_t>(accumulator, scores[key], value_row, head_dim);
         }
-        const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
-        std::fill(accumulator, accumulator + head_dim, 0.f);
-        for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
-          const int64_t offset = key == 0 ? first % block_size : 0;
-          const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
-          const scalar_t* value_row =
-              value_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
-          for (int64_t i = 0; i < count; ++i, ++key, value_row += cache_token_stride) {
-            add_scaled_row<scalar_t>(accumulator, scores[key], value_row, head_dim);
-          }
-        }
-        scalar_t* head_output = output + seq * output_stride + head * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          head_output[d] = static_cast<scalar_t>(accumulator[d] * inverse_sum);
-        }
+      }
+      scalar_t* head_output = output + seq * output_stride + head * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        head_output[d] = static_cast<scalar_t>(accumulator[d] * inverse_sum);
       }
     }
   });
@@ -453,6 +455,42 @@ void linear_one_token_kernel(const float* x, const float* weight, int64_t row_st
       }
     }
   });
+}
+
+// In place: residual += x; x = weight * residual / rms(residual), for one row of `hidden` values.
+template <typename scalar_t>
+void add_rms_norm_row(scalar_t* x, scalar_t* residual, const scalar_t* weight, int64_t hidden, float eps) {
+  if (add_rms_norm_row_lanes(x, residual, weight, hidden, eps)) {
+    return;
+  }
+  float squares = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float sum = static_cast<float>(x[i]) + static_cast<float>(residual[i]);
+    residual[i] = static_cast<scalar_t>(sum);
+    const float stored = static_cast<float>(residual[i]);
+    squares += stored * stored;
+  }
+  const float inverse_rms = 1.f / std::sqrt(squares / hidden + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    const scalar_t normed = static_cast<scalar_t>(static_cast<float>(residual[i]) * inverse_rms);
+    x[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+  }
+}
+
+// One token's `num_heads` heads, `head_stride` apart, rotated in place (NeoX halves) by fp32 cos/sin rows.
+template <typename scalar_t>
+void rotate_heads(scalar_t* heads, int64_t num_heads, int64_t head_stride, int64_t half, const float* cos_row,
+                  const float* sin_row) {
+  for (int64_t head = 0; head < num_heads; ++head) {
+    scalar_t* first = heads + head * head_stride;
+    scalar_t* second = first + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(first[i]);
+      const float x2 = static_cast<float>(second[i]);
+      first[i] = static_cast<scalar_t>(x1 * cos_row[i] - x2 * sin_row[i]);
+      second[i] = static_cast<scalar_t>(x2 * cos_row[i] + x1 * sin_row[i]);
+    }
+  }
 }
 
 void check_rows(const torch::Tensor& tensor, const char* name) {
@@ -561,21 +599,7 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
       for (int64_t token = begin; token < end; ++token) {
         scalar_t* x_row = x_data + token * x.stride(0);
         scalar_t* residual_row = residual_data + token * residual.stride(0);
-        if (add_rms_norm_row_lanes(x_row, residual_row, weight_data, hidden, static_cast<float>(eps))) {
-          continue;
-        }
-        float squares = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) {
-          const float sum = static_cast<float>(x_row[i]) + static_cast<float>(residual_row[i]);
-          residual_row[i] = static_cast<scalar_t>(sum);
-          const float stored = static_cast<float>(residual_row[i]);
-          squares += stored * stored;
-        }
-        const float inverse_rms = 1.f / std::sqrt(squares / hidden + static_cast<float>(eps));
-        for (int64_t i = 0; i < hidden; ++i) {
-          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(residual_row[i]) * inverse_rms);
-          x_row[i] = static_cast<scalar_t>(static_cast<float>(weight_data[i]) * static_cast<float>(normed));
-        }
+        add_rms_norm_row(x_row, residual_row, weight_data, hidden, static_cast<float>(eps));
       }
     });
   });
@@ -599,17 +623,9 @@ void rotary_embedding(torch::Tensor& query, torch::Tensor& key, const torch::Ten
         const float* cos_row = cos.data_ptr<float>() + token * cos.stride(0);
         const float* sin_row = sin.data_ptr<float>() + token * sin.stride(0);
         for (torch::Tensor* tensor : {&query, &key}) {
-          scalar_t* rows = tensor->data_ptr<scalar_t>() + token * tensor->stride(0);
-          for (int64_t head = 0; head < tensor->size(1); ++head) {
-            scalar_t* first = rows + head * tensor->stride(1);
-            scalar_t* second = first + half;
-            for (int64_t i = 0; i < half; ++i) {
-              const float x1 = static_cast<float>(first[i]);
-              const float x2 = static_cast<float>(second[i]);
-              first[i] = static_cast<scalar_t>(x1 * cos_row[i] - x2 * sin_row[i]);
-              second[i] = static_cast<scalar_t>(x2 * cos_row[i] + x1 * sin_row[i]);
-            }
-          }
+          rotate_heads(
+              tensor->data_ptr<scalar_t>() + token * tensor->stride(0), tensor->size(1), tensor->stride(1), half,
+              cos_row, sin_row);
         }
       }
     });
@@ -652,6 +668,162 @@ void linear_one_token(torch::Tensor& out, const torch::Tensor& x, const torch::T
       weight.size(1));
 }
 
+// One fp32 token through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
+// the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
+// and the SwiGLU MLP. At one token a step is ~30 small ops per layer, and their Python and dispatch overhead
+// (about a fifth of the step) goes; the matrix-vector products are the same kernel as `linear_one_token`.
+class OneTokenDecoderStack {
+ public:
+  OneTokenDecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                       int64_t sliding_window)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)),
+        sliding_window_(sliding_window) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
+    TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
+  }
+
+  // Biases may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with contiguous rows.
+  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
+                 const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                 const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
+                 const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias) {
+    const int64_t hidden = input_norm.size(0);
+    const int64_t q_size = num_heads_ * head_dim_;
+    const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
+    const int64_t inter = gate_up.size(0) / 2;
+    check_matrix(qkv, qkv_rows, hidden, "qkv");
+    check_matrix(o, hidden, q_size, "o");
+    check_matrix(gate_up, 2 * inter, hidden, "gate_up");
+    check_matrix(down, hidden, inter, "down");
+    check_vector(input_norm, hidden, "input_norm");
+    check_vector(post_norm, hidden, "post_norm");
+    TORCH_CHECK(layers_.empty() || hidden == hidden_, "every layer must have the same hidden size");
+    Layer layer{input_norm, qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), o, bias_or_empty(o_bias, hidden, "o bias"),
+                post_norm, gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"), down,
+                bias_or_empty(down_bias, hidden, "down bias")};
+    layers_.push_back(std::move(layer));
+    hidden_ = hidden;
+    qkv_.resize(std::max<size_t>(qkv_.size(), qkv_rows));
+    attended_.resize(q_size);
+    gate_up_.resize(std::max<size_t>(gate_up_.size(), 2 * inter));
+    activated_.resize(std::max<size_t>(activated_.size(), inter));
+  }
+
+  // hidden and residual [hidden_size], in place: in, the stack's input (residual unread without has_residual);
+  // out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks, block_size, kv_heads,
+  // head_dim] per layer; block_table [>= blocks in use] int32; seq_len (with the new token) int32 [1]; slot
+  // int64 [1]; cos/sin [head_dim / 2] fp32 at the token's position.
+  void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
+               const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_table,
+               const torch::Tensor& seq_len, const torch::Tensor& slot, const torch::Tensor& cos,
+               const torch::Tensor& sin) {
+    check_vector(hidden, hidden_, "hidden");
+    check_vector(residual, hidden_, "residual");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table int32");
+    TORCH_CHECK(seq_len.scalar_type() == torch::kInt32 && slot.scalar_type() == torch::kInt64, "seq_len/slot dtypes");
+    const int64_t half = head_dim_ / 2;
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "cos/sin fp32");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == half && sin.numel() == half,
+                "cos/sin must be [head_dim / 2]");
+    TORCH_CHECK(seq_len.numel() == 1 && slot.numel() == 1, "one seq_len and one slot");
+    const int32_t token_count = seq_len.data_ptr<int32_t>()[0];
+    const int64_t slot_index = slot.data_ptr<int64_t>()[0];
+    TORCH_CHECK(token_count >= 1, "seq_len must be at least 1");
+    float* x = hidden.data_ptr<float>();
+    float* stream = residual.data_ptr<float>();
+    if (!has_residual) {
+      // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
+      std::fill(stream, stream + hidden_, 0.f);
+    }
+    const int64_t q_size = num_heads_ * head_dim_;
+    const int64_t kv_size = num_kv_heads_ * head_dim_;
+    for (size_t index = 0; index < layers_.size(); ++index) {
+      const Layer& layer = layers_[index];
+      const torch::Tensor& cache = kv_caches[index];
+      TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous() && cache.dim() == 5 &&
+                      cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
+                  "KV cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+      const int64_t block_size = cache.size(2);
+      TORCH_CHECK(slot_index >= 0 && slot_index < cache.size(1) * block_size, "slot ", slot_index, " is outside the cache");
+      TORCH_CHECK((token_count + block_size - 1) / block_size <= block_table.numel(), "block_table too short");
+      float* key_cache = cache.data_ptr<float>();
+      float* value_cache = key_cache + cache.stride(0);
+
+      add_rms_norm_row<float>(x, stream, layer.input_norm.data_ptr<float>(), hidden_, eps_);
+      project(layer.qkv, layer.qkv_bias, x, qkv_.data());
+      rotate_heads<float>(qkv_.data(), num_heads_, head_dim_, half, cos.data_ptr<float>(), sin.data_ptr<float>());
+      rotate_heads<float>(qkv_.data() + q_size, num_kv_heads_, head_dim_, half, cos.data_ptr<float>(),
+                          sin.data_ptr<float>());
+      std::memcpy(key_cache + slot_index * cache.stride(2), qkv_.data() + q_size, kv_size * sizeof(float));
+      std::memcpy(value_cache + slot_index * cache.stride(2), qkv_.data() + q_size + kv_size, kv_size * sizeof(float));
+      decode_attention_kernel<float>(qkv_.data(), key_cache, value_cache, attended_.data(),
+                                     block_table.data_ptr<int32_t>(), &token_count, 1, num_heads_, num_kv_heads_,
+                                     head_dim_, block_size, block_table.numel(), 0, 0, cache.stride(1),
+                                     cache.stride(2), scale_, sliding_window_);
+      project(layer.o, layer.o_bias, attended_.data(), x);
+
+      add_rms_norm_row<float>(x, stream, layer.post_norm.data_ptr<float>(), hidden_, eps_);
+      project(layer.gate_up, layer.gate_up_bias, x, gate_up_.data());
+      const int64_t inter = layer.gate_up.size(0) / 2;
+      silu_and_mul_row<float>(activated_.data(), gate_up_.data(), gate_up_.data() + inter, inter);
+      project(layer.down, layer.down_bias, activated_.data(), x);
+    }
+  }
+
+  int64_t num_layers() const {
+    return static_cast<int64_t>(layers_.size());
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  };
+
+  static void check_matrix(const torch::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32, name, " must be CPU fp32");
+    TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == columns && weight.stride(1) == 1,
+                name, " must be [", rows, ", ", columns, "] with contiguous rows");
+  }
+
+  static void check_vector(const torch::Tensor& vector, int64_t size, const char* name) {
+    TORCH_CHECK(vector.device().is_cpu() && vector.scalar_type() == torch::kFloat32 && vector.is_contiguous(),
+                name, " must be a contiguous CPU fp32 tensor");
+    TORCH_CHECK(vector.numel() == size, name, " must have ", size, " elements");
+  }
+
+  static torch::Tensor bias_or_empty(const std::optional<torch::Tensor>& bias, int64_t size, const char* name) {
+    if (!bias.has_value() || !bias->defined()) {
+      return torch::Tensor();
+    }
+    check_vector(*bias, size, name);
+    return *bias;
+  }
+
+  static void project(const torch::Tensor& weight, const torch::Tensor& bias, const float* x, float* out) {
+    const int64_t rows = weight.size(0);
+    linear_one_token_kernel(x, weight.data_ptr<float>(), weight.stride(0), out, rows, weight.size(1));
+    if (bias.defined()) {
+      const float* bias_data = bias.data_ptr<float>();
+      for (int64_t i = 0; i < rows; ++i) {
+        out[i] += bias_data[i];
+      }
+    }
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  float eps_, scale_;
+  int64_t sliding_window_;
+  int64_t hidden_ = 0;
+  std::vector<Layer> layers_;
+  // Scratch for one token, reused every step.
+  std::vector<float> qkv_, attended_, gate_up_, activated_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention over the KV cache");
   module.def("reshape_and_cache", &reshape_and_cache, "Write new keys and values into the paged cache");
@@ -659,4 +831,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
   module.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
   module.def("linear_one_token", &linear_one_token, "weight @ x for one fp32 token, at the rate memory streams");
+  pybind11::class_<OneTokenDecoderStack>(module, "OneTokenDecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("sliding_window"))
+      .def("add_layer", &OneTokenDecoderStack::add_layer)
+      .def("num_layers", &OneTokenDecoderStack::num_layers)
+      // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
+      .def("forward", &OneTokenDecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
