@@ -74,7 +74,7 @@ def main() -> int:
 
 def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:
     rows = []
-    for batch_size, context in ((1, 128), (16, 256), (64, 150), (64, 1024)):
+    for batch_size, context in ((1, 128), (1, 2048), (16, 256), (64, 150), (64, 1024)):
         batch, query, key, value, kv_cache = decode_step(batch_size, context)
         reference_metadata = reference.build_metadata(batch, BLOCK, cpu)
         our_metadata = ours.build_metadata(batch, BLOCK, cpu)
