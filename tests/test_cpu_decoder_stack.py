@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.cpu_ops import load_cpu_ops
@@ -19,6 +18,9 @@ NUM_BLOCKS = 12
 
 
 def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaForCausalLM:
+    # Imported here: transformers' config import loads triton, which the Triton tests must import first.
+    from transformers import LlamaConfig
+
     settings = {
         "vocab_size": 300,
         "hidden_size": 64,
