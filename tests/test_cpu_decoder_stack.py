@@ -9,12 +9,13 @@ import torch
 
 from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.cpu_ops import load_cpu_ops
+from model_executor.layers.linear import FEW_TOKENS_MAX
 from model_executor.models.llama import LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
-NUM_BLOCKS = 12
+NUM_BLOCKS = 64
 
 
 def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaForCausalLM:
@@ -40,24 +41,32 @@ def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaF
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.2 * torch.randn_like(param))
-    assert model.prepare_one_token_stack()
+    assert model.prepare_decode_stack()
     return model
 
 
-def attention_batch(num_new: int, num_cached: int, block_table: list[int]) -> AttentionBatch:
-    positions = range(num_cached, num_cached + num_new)
-    slots = [block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in positions]
-    return AttentionBatch([num_new], [num_cached + num_new], [block_table], slots, int(num_new == 1))
+def new_caches(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    return [
+        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+        for _ in range(model.num_local_layers)
+    ]
 
 
-def run(
-    model: LlamaForCausalLM, caches: list[torch.Tensor], batch: AttentionBatch, intermediate: Any, token_id: int
-) -> Any:
-    num_new = batch.query_lens[0]
-    start = batch.seq_lens[0] - num_new
+def attention_batch(num_new: list[int], num_cached: list[int], block_tables: list[list[int]]) -> AttentionBatch:
+    """One step: request i adds num_new[i] tokens after num_cached[i] cached ones."""
+    slots = []
+    for new, cached, table in zip(num_new, num_cached, block_tables, strict=True):
+        slots += [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(cached, cached + new)]
+    seq_lens = [cached + new for new, cached in zip(num_new, num_cached, strict=True)]
+    return AttentionBatch(list(num_new), seq_lens, block_tables, slots, sum(1 for new in num_new if new == 1))
+
+
+def run(model: LlamaForCausalLM, caches: list[torch.Tensor], batch: AttentionBatch, intermediate: Any) -> Any:
     metadata = model.attention_backend.build_metadata(batch, BLOCK_SIZE, CPU)
-    input_ids = torch.arange(token_id, token_id + num_new)
-    positions = torch.arange(start, start + num_new)
+    positions = torch.tensor(
+        [pos for new, end in zip(batch.query_lens, batch.seq_lens, strict=True) for pos in range(end - new, end)]
+    )
+    input_ids = (positions * 7 + 3) % model.config.vocab_size
     with torch.inference_mode():
         return model(input_ids, positions, caches, metadata, intermediate)
 
@@ -79,18 +88,16 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
         ({}, 1, 2),  # a later one starts from them
     ],
 )
-@pytest.mark.parametrize("num_cached", [1, 9, 23])
-def test_one_token_through_the_stack_matches_layer_by_layer(
-    overrides: dict[str, Any], pp_rank: int, pp_size: int, num_cached: int
+@pytest.mark.parametrize("num_cached", [[1], [9], [23], [5, 17, 2], [3, 8, 1, 12, 4, 6, 20, 2]])
+def test_decode_tokens_through_the_stack_match_layer_by_layer(
+    overrides: dict[str, Any], pp_rank: int, pp_size: int, num_cached: list[int]
 ) -> None:
     model = random_llama(pp_rank, pp_size, **overrides)
     hidden_size = model.config.hidden_size
-    # Shuffled blocks: the stack must follow the block table, not assume a contiguous cache.
-    block_table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(num_cached)).tolist()
-    caches = [
-        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
-        for _ in range(model.num_local_layers)
-    ]
+    # Shuffled blocks, disjoint per request: the stack must follow each block table.
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_cached))).tolist()
+    tables = [blocks[i * 7 : (i + 1) * 7] for i in range(len(num_cached))]
+    caches = new_caches(model)
     generator = torch.Generator().manual_seed(7)
 
     def stage_input(num_tokens: int) -> Any:
@@ -98,62 +105,80 @@ def test_one_token_through_the_stack_matches_layer_by_layer(
             return None
         return tuple(torch.randn(num_tokens, hidden_size, generator=generator) for _ in range(2))
 
-    run(model, caches, attention_batch(num_cached, 0, block_table), stage_input(num_cached), token_id=10)
-    decode = attention_batch(1, num_cached, block_table)
-    decode_input = stage_input(1)
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), stage_input(cached))
+    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+    decode_input = stage_input(len(num_cached))
 
     results = {}
-    stack = model.one_token_stack
-    for name, one_token_stack in (("stack", stack), ("layers", None)):
-        model.one_token_stack = one_token_stack
+    stack = model.decode_stack
+    for name, decode_stack in (("stack", stack), ("layers", None)):
+        model.decode_stack = decode_stack
         step_caches = [cache.clone() for cache in caches]
         step_input = None if decode_input is None else tuple(t.clone() for t in decode_input)
-        results[name] = (as_tuple(run(model, step_caches, decode, step_input, token_id=77)), step_caches)
+        results[name] = (as_tuple(run(model, step_caches, decode, step_input)), step_caches)
 
     (stack_outputs, stack_caches), (layer_outputs, layer_caches) = results["stack"], results["layers"]
     assert len(stack_outputs) == (1 if pp_rank == pp_size - 1 else 2)
     for stack_output, layer_output in zip(stack_outputs, layer_outputs, strict=True):
+        assert stack_output.shape == (len(num_cached), hidden_size)
         torch.testing.assert_close(stack_output, layer_output, atol=1e-4, rtol=1e-4)
     for stack_cache, layer_cache in zip(stack_caches, layer_caches, strict=True):
         torch.testing.assert_close(stack_cache, layer_cache, atol=1e-4, rtol=1e-4)
-    # The new token's keys landed in its slot (the prefill's alone would leave it zero).
-    slot = decode.slot_mapping[0]
-    assert stack_caches[0][0].view(-1, *stack_caches[0].shape[3:])[slot].abs().sum() > 0
+    # Each new token's keys landed in its slot (the prefill alone leaves those rows zero).
+    key_rows = stack_caches[0][0].view(-1, *stack_caches[0].shape[3:])
+    assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)
+
+
+def test_more_decodes_than_the_stack_takes_run_layer_by_layer() -> None:
+    """Past FEW_TOKENS_MAX rows oneDNN's GEMM is faster: the stack must not be called at all."""
+    model = random_llama()
+    num_cached = [2] * (FEW_TOKENS_MAX + 1)
+    tables = [list(range(i * 2, i * 2 + 2)) for i in range(len(num_cached))]
+    caches = new_caches(model)
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), None)
+    model.decode_stack = "not a stack"  # calling it would raise
+    output = run(model, caches, attention_batch([1] * len(num_cached), num_cached, tables), None)
+    assert output.shape == (FEW_TOKENS_MAX + 1, model.config.hidden_size)
 
 
 def test_a_slot_outside_the_cache_is_refused_not_written() -> None:
     model = random_llama()
-    caches = [
-        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
-        for _ in range(model.num_local_layers)
-    ]
-    batch = attention_batch(1, 4, list(range(NUM_BLOCKS)))
+    batch = attention_batch([1], [4], [list(range(NUM_BLOCKS))])
     batch.slot_mapping[0] = NUM_BLOCKS * BLOCK_SIZE
     with pytest.raises(RuntimeError, match="outside the cache"):
-        run(model, caches, batch, None, token_id=5)
+        run(model, new_caches(model), batch, None)
 
 
-def test_the_engine_decodes_one_stream_through_the_stack_with_the_same_tokens(make_llm, tiny_model_dir) -> None:
+@pytest.mark.parametrize("num_streams", [1, 3])
+def test_the_engine_decodes_a_few_streams_through_the_stack_with_the_same_tokens(
+    make_llm, tiny_model_dir, num_streams: int
+) -> None:
     from configs.sampling_params import SamplingParams
 
     llm = make_llm(tiny_model_dir)
     model = llm.engine.core.executor.worker.runner.model
-    assert model.one_token_stack is not None  # the default CPU engine takes the stack
-    prompt = [1, *range(300, 340)]
+    assert model.decode_stack is not None  # the default CPU engine takes the stack
+    prompts = [[1, *range(300 + 50 * i, 340 + 50 * i + 3 * i)] for i in range(num_streams)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with_stack = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    stack, model.one_token_stack = model.one_token_stack, None
+
+    def generate() -> list[list[int]]:
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+    with_stack = generate()
+    stack, model.decode_stack = model.decode_stack, None
     try:
-        layer_by_layer = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        layer_by_layer = generate()
     finally:
-        model.one_token_stack = stack
+        model.decode_stack = stack
     assert with_stack == layer_by_layer
-    assert len(with_stack) == 24
+    assert [len(tokens) for tokens in with_stack] == [24] * num_streams
 
 
 def test_no_stack_without_the_kernels_or_in_bf16() -> None:
     assert load_cpu_ops() is not None
     model = random_llama()
     model.to(torch.bfloat16)
-    model.one_token_stack = None
-    assert not model.prepare_one_token_stack()
+    model.decode_stack = None
+    assert not model.prepare_decode_stack()

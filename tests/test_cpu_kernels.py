@@ -244,19 +244,20 @@ def test_a_second_checkout_loads_the_built_kernels_without_rebuilding(tmp_path: 
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (5, 40), (1, 8), (3, 1536)])
-def test_one_token_linear_matches_torch_at_any_shape(rows: int, columns: int) -> None:
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_few_token_linear_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
     ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(rows * 1000 + columns)
     # A column slice of a wider matrix: rows further apart than their length, as a tensor-parallel shard could be.
     weight = torch.randn(rows, columns + 5, generator=generator)[:, 2 : 2 + columns]
-    x = torch.randn(columns, generator=generator)
-    out = torch.full((rows,), float("nan"))
-    ops.linear_one_token(out, x, weight)
-    torch.testing.assert_close(out, weight @ x, atol=1e-4, rtol=1e-5)
+    x = torch.randn(num_tokens, columns + 3, generator=generator)[:, :columns]  # strided rows too
+    out = torch.full((num_tokens, rows), float("nan"))
+    ops.linear_tokens(out, x, weight)
+    torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.linear_one_token(out, torch.randn(columns + 1), weight)
+        ops.linear_tokens(out, torch.randn(num_tokens, columns + 1), weight)
     with pytest.raises(RuntimeError, match="fp32"):
-        ops.linear_one_token(out.double(), x.double(), weight.double())
+        ops.linear_tokens(out.double(), x.double(), weight.double())
 
 
 def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None:
@@ -267,14 +268,14 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
     weight, bias = torch.randn(960, 576, generator=generator), torch.randn(960, generator=generator)
     packed = pack_weight_for_cpu(weight)
     assert packed is not None
-    for rows in (1, 7, 64, 513):
+    for rows in (1, 7, 8, 9, 64, 513):
         x = torch.randn(rows, 576, generator=generator)
         expected = torch.nn.functional.linear(x, weight, bias)
         torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)
-        one_token = apply_linear(x, weight, packed, bias, load_cpu_ops())
-        torch.testing.assert_close(one_token, expected, atol=1e-4, rtol=1e-5)
+        with_kernel = apply_linear(x, weight, packed, bias, load_cpu_ops())
+        torch.testing.assert_close(with_kernel, expected, atol=1e-4, rtol=1e-5)
     llm = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=16, show_progress=False)
     modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
     # q/k/v, o, gate/up and down per layer, plus the LM head.
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(module.packed_weight is not None and module.one_token_ops is not None for module in modules)
+    assert all(module.packed_weight is not None and module.few_token_ops is not None for module in modules)

@@ -419,17 +419,18 @@ inline bool add_rms_norm_row_lanes<float>(
   return true;
 }
 
-// y = W x for one fp32 token: four weight rows per pass share each load of x, and the weight streams from
-// memory once in row order (oneDNN's packed GEMM reaches about two thirds of that rate at one row).
+// y = W x for a few fp32 tokens: four weight rows per pass share each load of x, and the weight streams from
+// memory once in row order (oneDNN's packed GEMM reaches about two thirds of that rate at one row). A pass's
+// rows (at most 4 x 1,536 floats here) stay in L1 for the tokens after the first.
 constexpr int64_t kRowsPerPass = 4;
 
-void linear_one_token_kernel(const float* x, const float* weight, int64_t row_stride, float* out, int64_t rows,
-                             int64_t columns) {
+void linear_tokens_kernel(const float* x, int64_t x_stride, int64_t num_tokens, const float* weight,
+                          int64_t row_stride, float* out, int64_t out_stride, int64_t rows, int64_t columns) {
   const int64_t vector_columns = columns - columns % kLanes;
-  const auto dot_rows = [&](int64_t first, int64_t count) {
+  const auto dot_rows = [&](const float* token_x, float* token_out, int64_t first, int64_t count) {
     Lanes sums[kRowsPerPass] = {};
     for (int64_t i = 0; i < vector_columns; i += kLanes) {
-      const Lanes xs = load_lanes(x + i);
+      const Lanes xs = load_lanes(token_x + i);
       for (int64_t r = 0; r < count; ++r) {
         sums[r] += load_lanes(weight + (first + r) * row_stride + i) * xs;
       }
@@ -438,20 +439,22 @@ void linear_one_token_kernel(const float* x, const float* weight, int64_t row_st
       float total = sum_lanes(sums[r]);
       const float* row = weight + (first + r) * row_stride;
       for (int64_t i = vector_columns; i < columns; ++i) {
-        total += row[i] * x[i];
+        total += row[i] * token_x[i];
       }
-      out[first + r] = total;
+      token_out[first + r] = total;
     }
   };
   const int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
-  at::parallel_for(0, passes, grain_rows(kRowsPerPass * columns), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, passes, grain_rows(kRowsPerPass * columns * num_tokens), [&](int64_t begin, int64_t end) {
     for (int64_t pass = begin; pass < end; ++pass) {
       const int64_t first = pass * kRowsPerPass;
       const int64_t count = std::min(kRowsPerPass, rows - first);
-      if (count == kRowsPerPass) {
-        dot_rows(first, kRowsPerPass);
-      } else {
-        dot_rows(first, count);
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        if (count == kRowsPerPass) {
+          dot_rows(x + token * x_stride, out + token * out_stride, first, kRowsPerPass);
+        } else {
+          dot_rows(x + token * x_stride, out + token * out_stride, first, count);
+        }
       }
     }
   });
@@ -652,30 +655,31 @@ void silu_and_mul(torch::Tensor& out, const torch::Tensor& x) {
   });
 }
 
-// out [rows] = weight [rows, columns] @ x [columns], fp32: one token through a linear layer.
-void linear_one_token(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
+// out [tokens, rows] = x [tokens, columns] @ weight [rows, columns]^T, fp32: a few tokens through a linear layer.
+void linear_tokens(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& weight) {
   check_rows(weight, "weight");
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "x and out must be CPU tensors");
-  TORCH_CHECK(weight.dim() == 2 && x.dim() == 1 && out.dim() == 1, "weight [rows, columns], x and out 1-d");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "x and out must be contiguous");
+  TORCH_CHECK(weight.dim() == 2 && x.dim() == 2 && out.dim() == 2, "weight, x and out must be 2-d");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out must have contiguous rows");
   TORCH_CHECK(
       weight.scalar_type() == torch::kFloat32 && x.scalar_type() == torch::kFloat32 &&
           out.scalar_type() == torch::kFloat32,
-      "linear_one_token is fp32");
-  TORCH_CHECK(x.size(0) == weight.size(1) && out.size(0) == weight.size(0), "shapes do not match");
-  linear_one_token_kernel(
-      x.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0), out.data_ptr<float>(), weight.size(0),
-      weight.size(1));
+      "linear_tokens is fp32");
+  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(1) == weight.size(0) && out.size(0) == x.size(0),
+              "shapes do not match");
+  linear_tokens_kernel(
+      x.data_ptr<float>(), x.stride(0), x.size(0), weight.data_ptr<float>(), weight.stride(0), out.data_ptr<float>(),
+      out.stride(0), weight.size(0), weight.size(1));
 }
 
-// One fp32 token through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
-// the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
-// and the SwiGLU MLP. At one token a step is ~30 small ops per layer, and their Python and dispatch overhead
-// (about a fifth of the step) goes; the matrix-vector products are the same kernel as `linear_one_token`.
-class OneTokenDecoderStack {
+// A few fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and
+// RMSNorm, the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the
+// second norm and the SwiGLU MLP. At a handful of tokens a step is ~30 small ops per layer, whose Python and
+// dispatch overhead was about a fifth of the step; the matrix products stream each weight from memory once.
+class DecodeStack {
  public:
-  OneTokenDecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                       int64_t sliding_window)
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t sliding_window)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -701,77 +705,104 @@ class OneTokenDecoderStack {
     check_matrix(down, hidden, inter, "down");
     check_vector(input_norm, hidden, "input_norm");
     check_vector(post_norm, hidden, "post_norm");
-    TORCH_CHECK(layers_.empty() || hidden == hidden_, "every layer must have the same hidden size");
-    Layer layer{input_norm, qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), o, bias_or_empty(o_bias, hidden, "o bias"),
-                post_norm, gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"), down,
-                bias_or_empty(down_bias, hidden, "down bias")};
-    layers_.push_back(std::move(layer));
+    TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
+    layers_.push_back(Layer{input_norm, qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), o,
+                            bias_or_empty(o_bias, hidden, "o bias"), post_norm, gate_up,
+                            bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"), down,
+                            bias_or_empty(down_bias, hidden, "down bias")});
     hidden_ = hidden;
-    qkv_.resize(std::max<size_t>(qkv_.size(), qkv_rows));
-    attended_.resize(q_size);
-    gate_up_.resize(std::max<size_t>(gate_up_.size(), 2 * inter));
-    activated_.resize(std::max<size_t>(activated_.size(), inter));
+    inter_ = inter;
   }
 
-  // hidden and residual [hidden_size], in place: in, the stack's input (residual unread without has_residual);
-  // out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks, block_size, kv_heads,
-  // head_dim] per layer; block_table [>= blocks in use] int32; seq_len (with the new token) int32 [1]; slot
-  // int64 [1]; cos/sin [head_dim / 2] fp32 at the token's position.
+  // hidden and residual [tokens, hidden_size], in place: in, the stack's input (residual unread without
+  // has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
+  // block_size, kv_heads, head_dim] per layer; per token, its block table row [tokens, width] int32, seq_len with
+  // the new token [tokens] int32, KV slot [tokens] int64 (-1: padding) and cos/sin rows [tokens, head_dim / 2] fp32.
   void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
-               const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_table,
-               const torch::Tensor& seq_len, const torch::Tensor& slot, const torch::Tensor& cos,
+               const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
+               const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
                const torch::Tensor& sin) {
-    check_vector(hidden, hidden_, "hidden");
-    check_vector(residual, hidden_, "residual");
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
-    TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table int32");
-    TORCH_CHECK(seq_len.scalar_type() == torch::kInt32 && slot.scalar_type() == torch::kInt64, "seq_len/slot dtypes");
+    TORCH_CHECK(!layers_.empty(), "the stack has no layers");
+    const int64_t num_tokens = hidden.size(0);
+    check_rows_of(hidden, num_tokens, hidden_, "hidden");
+    check_rows_of(residual, num_tokens, hidden_, "residual");
     const int64_t half = head_dim_ / 2;
-    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "cos/sin fp32");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == half && sin.numel() == half,
-                "cos/sin must be [head_dim / 2]");
-    TORCH_CHECK(seq_len.numel() == 1 && slot.numel() == 1, "one seq_len and one slot");
-    const int32_t token_count = seq_len.data_ptr<int32_t>()[0];
-    const int64_t slot_index = slot.data_ptr<int64_t>()[0];
-    TORCH_CHECK(token_count >= 1, "seq_len must be at least 1");
+    check_rows_of(cos, num_tokens, half, "cos");
+    check_rows_of(sin, num_tokens, half, "sin");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == num_tokens,
+                "block_tables must be contiguous int32 [tokens, width]");
+    TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.numel() == num_tokens,
+                "seq_lens must be int32 [tokens]");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == num_tokens,
+                "slots must be int64 [tokens]");
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int64_t* slot_of = slots.data_ptr<int64_t>();
+    const int64_t width = block_tables.size(1);
+    const torch::Tensor& first_cache = kv_caches[0];
+    const int64_t block_size = first_cache.dim() == 5 ? first_cache.size(2) : 0;
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      TORCH_CHECK(lens[token] >= 1 && (lens[token] + block_size - 1) / std::max<int64_t>(1, block_size) <= width,
+                  "seq_len ", lens[token], " needs more blocks than its table holds");
+    }
+    const int64_t q_size = num_heads_ * head_dim_;
+    const int64_t kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_rows = q_size + 2 * kv_size;
+    qkv_.resize(num_tokens * qkv_rows);
+    attended_.resize(num_tokens * q_size);
+    gate_up_.resize(num_tokens * 2 * inter_);
+    activated_.resize(num_tokens * inter_);
     float* x = hidden.data_ptr<float>();
     float* stream = residual.data_ptr<float>();
     if (!has_residual) {
       // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
-      std::fill(stream, stream + hidden_, 0.f);
+      std::fill(stream, stream + num_tokens * hidden_, 0.f);
     }
-    const int64_t q_size = num_heads_ * head_dim_;
-    const int64_t kv_size = num_kv_heads_ * head_dim_;
     for (size_t index = 0; index < layers_.size(); ++index) {
       const Layer& layer = layers_[index];
       const torch::Tensor& cache = kv_caches[index];
       TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous() && cache.dim() == 5 &&
-                      cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
-                  "KV cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
-      const int64_t block_size = cache.size(2);
-      TORCH_CHECK(slot_index >= 0 && slot_index < cache.size(1) * block_size, "slot ", slot_index, " is outside the cache");
-      TORCH_CHECK((token_count + block_size - 1) / block_size <= block_table.numel(), "block_table too short");
+                      cache.size(2) == block_size && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
+                  "KV caches must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
       float* key_cache = cache.data_ptr<float>();
       float* value_cache = key_cache + cache.stride(0);
+      const int64_t num_slots = cache.size(1) * block_size;
 
-      add_rms_norm_row<float>(x, stream, layer.input_norm.data_ptr<float>(), hidden_, eps_);
-      project(layer.qkv, layer.qkv_bias, x, qkv_.data());
-      rotate_heads<float>(qkv_.data(), num_heads_, head_dim_, half, cos.data_ptr<float>(), sin.data_ptr<float>());
-      rotate_heads<float>(qkv_.data() + q_size, num_kv_heads_, head_dim_, half, cos.data_ptr<float>(),
-                          sin.data_ptr<float>());
-      std::memcpy(key_cache + slot_index * cache.stride(2), qkv_.data() + q_size, kv_size * sizeof(float));
-      std::memcpy(value_cache + slot_index * cache.stride(2), qkv_.data() + q_size + kv_size, kv_size * sizeof(float));
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.input_norm.data_ptr<float>(),
+                                hidden_, eps_);
+      }
+      project(layer.qkv, layer.qkv_bias, x, hidden_, num_tokens, qkv_.data(), qkv_rows);
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        float* token_qkv = qkv_.data() + token * qkv_rows;
+        const float* cos_row = cos.data_ptr<float>() + token * half;
+        const float* sin_row = sin.data_ptr<float>() + token * half;
+        rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
+        rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+        const int64_t slot = slot_of[token];
+        TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
+        if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
+          std::memcpy(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size * sizeof(float));
+          std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size * sizeof(float));
+        }
+      }
       decode_attention_kernel<float>(qkv_.data(), key_cache, value_cache, attended_.data(),
-                                     block_table.data_ptr<int32_t>(), &token_count, 1, num_heads_, num_kv_heads_,
-                                     head_dim_, block_size, block_table.numel(), 0, 0, cache.stride(1),
-                                     cache.stride(2), scale_, sliding_window_);
-      project(layer.o, layer.o_bias, attended_.data(), x);
+                                     block_tables.data_ptr<int32_t>(), lens, num_tokens, num_heads_, num_kv_heads_,
+                                     head_dim_, block_size, width, qkv_rows, q_size, cache.stride(1), cache.stride(2),
+                                     scale_, sliding_window_);
+      project(layer.o, layer.o_bias, attended_.data(), q_size, num_tokens, x, hidden_);
 
-      add_rms_norm_row<float>(x, stream, layer.post_norm.data_ptr<float>(), hidden_, eps_);
-      project(layer.gate_up, layer.gate_up_bias, x, gate_up_.data());
-      const int64_t inter = layer.gate_up.size(0) / 2;
-      silu_and_mul_row<float>(activated_.data(), gate_up_.data(), gate_up_.data() + inter, inter);
-      project(layer.down, layer.down_bias, activated_.data(), x);
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.post_norm.data_ptr<float>(),
+                                hidden_, eps_);
+      }
+      project(layer.gate_up, layer.gate_up_bias, x, hidden_, num_tokens, gate_up_.data(), 2 * inter_);
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        const float* gate = gate_up_.data() + token * 2 * inter_;
+        silu_and_mul_row<float>(activated_.data() + token * inter_, gate, gate + inter_, inter_);
+      }
+      project(layer.down, layer.down_bias, activated_.data(), inter_, num_tokens, x, hidden_);
     }
   }
 
@@ -796,6 +827,11 @@ class OneTokenDecoderStack {
     TORCH_CHECK(vector.numel() == size, name, " must have ", size, " elements");
   }
 
+  static void check_rows_of(const torch::Tensor& tensor, int64_t rows, int64_t columns, const char* name) {
+    check_vector(tensor, rows * columns, name);
+    TORCH_CHECK(tensor.size(0) == rows, name, " must have one row per token");
+  }
+
   static torch::Tensor bias_or_empty(const std::optional<torch::Tensor>& bias, int64_t size, const char* name) {
     if (!bias.has_value() || !bias->defined()) {
       return torch::Tensor();
@@ -804,13 +840,18 @@ class OneTokenDecoderStack {
     return *bias;
   }
 
-  static void project(const torch::Tensor& weight, const torch::Tensor& bias, const float* x, float* out) {
+  // out [tokens, rows] (row stride out_stride) = x [tokens, columns] (row stride x_stride) W^T + bias.
+  static void project(const torch::Tensor& weight, const torch::Tensor& bias, const float* x, int64_t x_stride,
+                      int64_t num_tokens, float* out, int64_t out_stride) {
     const int64_t rows = weight.size(0);
-    linear_one_token_kernel(x, weight.data_ptr<float>(), weight.stride(0), out, rows, weight.size(1));
+    linear_tokens_kernel(x, x_stride, num_tokens, weight.data_ptr<float>(), weight.stride(0), out, out_stride, rows,
+                         weight.size(1));
     if (bias.defined()) {
       const float* bias_data = bias.data_ptr<float>();
-      for (int64_t i = 0; i < rows; ++i) {
-        out[i] += bias_data[i];
+      for (int64_t token = 0; token < num_tokens; ++token) {
+        for (int64_t i = 0; i < rows; ++i) {
+          out[token * out_stride + i] += bias_data[i];
+        }
       }
     }
   }
@@ -819,8 +860,9 @@ class OneTokenDecoderStack {
   float eps_, scale_;
   int64_t sliding_window_;
   int64_t hidden_ = 0;
+  int64_t inter_ = 0;
   std::vector<Layer> layers_;
-  // Scratch for one token, reused every step.
+  // Scratch for a step's tokens, reused every step.
   std::vector<float> qkv_, attended_, gate_up_, activated_;
 };
 
@@ -830,13 +872,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
   module.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
-  module.def("linear_one_token", &linear_one_token, "weight @ x for one fp32 token, at the rate memory streams");
-  pybind11::class_<OneTokenDecoderStack>(module, "OneTokenDecoderStack")
+  module.def("linear_tokens", &linear_tokens, "x @ weight^T for a few fp32 tokens, at the rate memory streams");
+  pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("sliding_window"))
-      .def("add_layer", &OneTokenDecoderStack::add_layer)
-      .def("num_layers", &OneTokenDecoderStack::num_layers)
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
-      .def("forward", &OneTokenDecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

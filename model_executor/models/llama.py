@@ -10,7 +10,12 @@ from torch import nn
 
 from cuda_ext.attention import AttentionBackend, get_attention_backend
 from cuda_ext.fused_ops import silu_and_mul
-from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.linear import (
+    FEW_TOKENS_MAX,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -149,14 +154,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
             if self.tie_word_embeddings and parallel.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
-        # Set by prepare_one_token_stack once the weights are loaded, where the C++ stack applies.
-        self.one_token_stack: Any = None
+        # Set by prepare_decode_stack once the weights are loaded, where the C++ stack applies.
+        self.decode_stack: Any = None
 
-    def prepare_one_token_stack(self) -> bool:
-        """One-token decode steps run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
+    def prepare_decode_stack(self) -> bool:
+        """Decode steps of up to FEW_TOKENS_MAX tokens run this stage's layers in one C++ call (CPU, fp32, one
+        tensor-parallel rank).
 
-        At one token the matrix-vector products stream the weights at memory speed, and the ~30 other small
-        ops per layer, each a Python call and a dispatch, were about a fifth of the step.
+        At a few tokens the matrix products stream the weights at memory speed, and the ~30 other small ops per
+        layer, each a Python call and a dispatch, were about a fifth of the step.
         """
         from cuda_ext.attention.cpu_backend import CpuAttentionBackend
         from cuda_ext.cpu_ops import load_cpu_ops
@@ -171,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
             or first_layer.self_attn.qkv_proj.weight.dtype != torch.float32
         ):
             return False
-        stack = ops.OneTokenDecoderStack(
+        stack = ops.DecodeStack(
             num_heads=attention.num_heads,
             num_kv_heads=attention.num_kv_heads,
             head_dim=attention.head_dim,
@@ -193,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
                 mlp.down_proj.weight,
                 mlp.down_proj.bias,
             )
-        self.one_token_stack = stack
+        self.decode_stack = stack
         return True
 
     @property
@@ -221,20 +227,21 @@ class LlamaForCausalLM(nn.Module):
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             hidden_states, residual = intermediate
-        if self.one_token_stack is not None and input_ids.shape[0] == 1 and attn_metadata.num_decodes == 1:
+        num_tokens = input_ids.shape[0]
+        if self.decode_stack is not None and num_tokens <= FEW_TOKENS_MAX and attn_metadata.num_decodes == num_tokens:
             has_residual = residual is not None
             if residual is None:
                 residual = torch.empty_like(hidden_states)
-            self.one_token_stack.forward(
-                hidden_states.view(-1),
-                residual.view(-1),
+            self.decode_stack.forward(
+                hidden_states,
+                residual,
                 has_residual,
                 kv_caches,
-                attn_metadata.decode_block_tables.view(-1),
+                attn_metadata.decode_block_tables,
                 attn_metadata.decode_seq_lens,
                 attn_metadata.slot_mapping,
-                cos_sin[0].view(-1),
-                cos_sin[1].view(-1),
+                cos_sin[0].view(num_tokens, -1),
+                cos_sin[1].view(num_tokens, -1),
             )
         else:
             step = StepInputs(attn_metadata, self.rotary, cos_sin)
