@@ -806,10 +806,6 @@ class DecodeStack {
     }
   }
 
-  int64_t num_layers() const {
-    return static_cast<int64_t>(layers_.size());
-  }
-
  private:
   struct Layer {
     torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
@@ -878,7 +874,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("sliding_window"))
       .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers)
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
