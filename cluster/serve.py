@@ -59,7 +59,8 @@ def start_ray(config: AppConfig) -> bool:
 
     address = os.environ.get("RAY_ADDRESS")
     started_elsewhere = ray.is_initialized() or bool(address)
-    if config.serve.direct_ingress and started_elsewhere and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+    direct_ingress = config.serve.uses_direct_ingress(owns_ray=not started_elsewhere)
+    if direct_ingress and started_elsewhere and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         raise ValueError(
             "serve.direct_ingress applies to the Ray that `pagedserve serve` starts; for a Ray started "
             "elsewhere, start it with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 instead"
@@ -70,7 +71,7 @@ def start_ray(config: AppConfig) -> bool:
         logger.info("attaching to the Ray cluster at %s", address)
         ray.init(address=address)
         return False
-    if config.serve.direct_ingress:
+    if direct_ingress:
         os.environ.update(direct_ingress_env(config))
         logger.info(
             "direct ingress: the ingress replica serves port %d, Serve's proxy port %d",
@@ -89,7 +90,11 @@ def deploy(config: AppConfig, blocking: bool = False) -> str:
     from serve_app.app import build_app
 
     start_ray(config)
-    proxy_port = config.serve.port + 1 if config.serve.direct_ingress else config.serve.port
+    # Unset in the config: whatever the Ray's Serve runs, which start_ray wrote into this environment.
+    direct_ingress = config.serve.direct_ingress
+    if direct_ingress is None:
+        direct_ingress = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    proxy_port = config.serve.port + 1 if direct_ingress else config.serve.port
     serve.start(http_options={"host": config.serve.host, "port": proxy_port})
     serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix, blocking=False)
     host = "127.0.0.1" if config.serve.host in ("0.0.0.0", "::") else config.serve.host

@@ -80,10 +80,11 @@ class ServeSection(Section):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config for the ingress (replaces ingress_replicas)."
     )
-    direct_ingress: bool = Field(
-        False,
+    direct_ingress: bool | None = Field(
+        None,
         description="The ingress replica serves HTTP on `port` itself, without the hop through Serve's proxy "
-        "(which moves to port + 1): less CPU per streamed token. One ingress replica; an embedded Ray only.",
+        "(which moves to port + 1): less CPU per streamed token. One ingress replica; an embedded Ray only. "
+        "None: on where it applies (the Ray `pagedserve serve` starts, one ingress replica), off elsewhere.",
     )
 
     @model_validator(mode="after")
@@ -94,6 +95,13 @@ class ServeSection(Section):
         if self.direct_ingress and self.port == 65535:
             raise ValueError("serve.direct_ingress puts Serve's proxy on port + 1: port must be below 65535")
         return self
+
+    def uses_direct_ingress(self, owns_ray: bool) -> bool:
+        """Whether the ingress replica serves `port` itself, for a Ray this process starts (owns_ray) or joins."""
+        if self.direct_ingress is not None:
+            return self.direct_ingress
+        single_replica = self.ingress_replicas == 1 and self.autoscaling_config is None
+        return owns_ray and single_replica and self.port < 65535
 
 
 class AppConfig(Section):

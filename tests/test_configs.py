@@ -67,6 +67,23 @@ def test_direct_ingress_is_refused_with_more_than_one_ingress_replica_or_a_forei
         start_ray(config)
 
 
+def test_direct_ingress_by_default_only_where_it_applies(tmp_path):
+    """Unset, direct ingress is on for a Ray that `pagedserve serve` starts with one ingress replica, and off when
+    joining a Ray started elsewhere or with more replicas (no error there); an explicit value always wins."""
+    path = tmp_path / "config.yaml"
+    path.write_text("serve:\n  port: 9100\n")
+    unset = AppConfig.from_yaml(path).serve
+    assert unset.direct_ingress is None
+    assert unset.uses_direct_ingress(owns_ray=True) and not unset.uses_direct_ingress(owns_ray=False)
+    path.write_text("serve:\n  ingress_replicas: 2\n")
+    assert not AppConfig.from_yaml(path).serve.uses_direct_ingress(owns_ray=True)
+    path.write_text("serve:\n  port: 65535\n")
+    assert not AppConfig.from_yaml(path).serve.uses_direct_ingress(owns_ray=True)
+    path.write_text("serve:\n  direct_ingress: false\n")
+    assert not AppConfig.from_yaml(path).serve.uses_direct_ingress(owns_ray=True)
+    assert AppConfig.from_yaml("default").serve.uses_direct_ingress(owns_ray=True)
+
+
 def test_unknown_key_is_rejected_with_its_name(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("cache:\n  blok_size: 32\n")

@@ -480,10 +480,14 @@ def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[s
 
 def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
     port = free_port()
+    while port_in_use(port + 1):  # where Serve's proxy goes with direct ingress, the default here
+        port = free_port()
     server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="sigterm")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "pagedserve serve up")
+        # Unset in the config, with a Ray of its own and one ingress replica: the replica serves the port itself.
+        wait_until(lambda: f"Started HTTP server on port {port}" in log_path.read_text(), 30, "replica on the port")
         results: dict[str, Any] = {}
 
         def signal_when_streaming(count: int) -> None:
