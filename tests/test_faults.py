@@ -408,6 +408,9 @@ def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a
         assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         bad = httpx.post(f"{base}/v1/completions", json={"prompt": [5], "max_tokens": -1}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        # The replica's own HTTP server takes the headers the proxy took before: oversized ones are still refused.
+        big = httpx.post(f"{base}/v1/completions", json={"prompt": [5]}, headers={"X-Big": "a" * 2**20}, timeout=30)
+        assert big.status_code == 431 and big.json()["error"]["type"] == "RequestHeaderFieldsTooLarge"
         assert completes(f"http://127.0.0.1:{port + 1}")  # Serve's proxy, one hop longer, still routes
 
         replicas = [pid for pid in ray_processes_of(ray_tmpdir) if b"ServeReplica:direct:" in cmdline(pid)]
