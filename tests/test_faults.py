@@ -396,9 +396,7 @@ def test_graceful_shutdown_refuses_new_requests_finishes_or_ends_the_rest_and_le
 def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a_crash(tmp_path):
     """serve.direct_ingress: the ingress replica itself listens on serve.port (Serve's proxy on port + 1); a
     replacement replica takes the port back at once after the first one is killed; SIGTERM still drains."""
-    port = free_port()
-    while port_in_use(port + 1):  # where Serve's proxy goes
-        port = free_port()
+    port = free_port_for_direct_ingress()
     server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="direct", direct_ingress=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -423,6 +421,14 @@ def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a
         if server.poll() is None:
             server.kill()
     wait_until(lambda: not ray_processes_of(ray_tmpdir), 30, "every process of its Ray gone")
+
+
+def free_port_for_direct_ingress() -> int:
+    """A free port whose next one is free too: with direct ingress, Serve's proxy takes port + 1."""
+    port = free_port()
+    while port_in_use(port + 1):
+        port = free_port()
+    return port
 
 
 def port_in_use(port: int) -> bool:
@@ -482,9 +488,7 @@ def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[s
 
 
 def test_sigterm_to_pagedserve_serve_drains_and_leaves_no_process(tmp_path):
-    port = free_port()
-    while port_in_use(port + 1):  # where Serve's proxy goes with direct ingress, the default here
-        port = free_port()
+    port = free_port_for_direct_ingress()  # direct ingress is the default of `pagedserve serve`
     server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="sigterm")
     base = f"http://127.0.0.1:{port}"
     try:
