@@ -18,7 +18,7 @@ from cuda_ext.cuda_graphs import (
     decode_buckets,
     pad_decode_inputs,
 )
-from model_executor.layers.linear import FEW_TOKENS_MAX, PackableWeight
+from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
 from model_executor.models import get_model_class
 from model_executor.parallel_state import ParallelContext
@@ -74,7 +74,10 @@ class ModelRunner:
             if isinstance(module, PackableWeight):
                 module.pack_weights()
         if self.model.prepare_decode_stack():
-            logger.info("decode steps of up to %d tokens run the decoder stack in one C++ call", FEW_TOKENS_MAX)
+            logger.info(
+                "decode steps of up to %d tokens run the decoder stack in one C++ call",
+                self.model.decode_stack_max_tokens,
+            )
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0

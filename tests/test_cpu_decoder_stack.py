@@ -1,4 +1,4 @@
-"""The one-token C++ decoder stack against the layer-by-layer forward it replaces on CPU decode steps of one."""
+"""The C++ decoder stack against the layer-by-layer forward it replaces on CPU decode steps."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
-from model_executor.layers.linear import FEW_TOKENS_MAX
 from model_executor.models.llama import LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
-NUM_BLOCKS = 64
+NUM_BLOCKS = 320
 
 
 def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaForCausalLM:
@@ -87,7 +86,19 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
         ({}, 1, 2),  # a later one starts from them
     ],
 )
-@pytest.mark.parametrize("num_cached", [[1], [9], [23], [5, 17, 2], [3, 8, 1, 12, 4, 6, 20, 2]])
+# 13 and 40 requests: full register blocks of the linear kernel (6 tokens with AVX-512, 2 with AVX2) and a remainder.
+@pytest.mark.parametrize(
+    "num_cached",
+    [
+        [1],
+        [9],
+        [23],
+        [5, 17, 2],
+        [3, 8, 1, 12, 4, 6, 20, 2],
+        [4, 11, 1, 27, 6, 9, 2, 14, 3, 21, 8, 5, 17],
+        [(7 * i) % 27 + 1 for i in range(40)],
+    ],
+)
 def test_decode_tokens_through_the_stack_match_layer_by_layer(
     overrides: dict[str, Any], pp_rank: int, pp_size: int, num_cached: list[int]
 ) -> None:
@@ -130,16 +141,17 @@ def test_decode_tokens_through_the_stack_match_layer_by_layer(
 
 
 def test_more_decodes_than_the_stack_takes_run_layer_by_layer() -> None:
-    """Past FEW_TOKENS_MAX rows oneDNN's GEMM is faster: the stack must not be called at all."""
+    """Past the rows where our linear kernel beats oneDNN's GEMM, the stack must not be called at all."""
     model = random_llama()
-    num_cached = [2] * (FEW_TOKENS_MAX + 1)
+    assert model.decode_stack_max_tokens >= 8
+    num_cached = [2] * (model.decode_stack_max_tokens + 1)
     tables = [list(range(i * 2, i * 2 + 2)) for i in range(len(num_cached))]
     caches = new_caches(model)
     for cached, table in zip(num_cached, tables, strict=True):
         run(model, caches, attention_batch([cached], [0], [table]), None)
     model.decode_stack = "not a stack"  # calling it would raise
     output = run(model, caches, attention_batch([1] * len(num_cached), num_cached, tables), None)
-    assert output.shape == (FEW_TOKENS_MAX + 1, model.config.hidden_size)
+    assert output.shape == (len(num_cached), model.config.hidden_size)
 
 
 def test_a_slot_outside_the_cache_is_refused_not_written() -> None:

@@ -244,7 +244,8 @@ def test_a_second_checkout_loads_the_built_kernels_without_rebuilding(tmp_path: 
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (5, 40), (1, 8), (3, 1536)])
-@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+# 6 and 13 tokens: full register blocks (6 tokens with AVX-512, 2 with AVX2) and remainders; 96 the largest it takes.
+@pytest.mark.parametrize("num_tokens", [1, 3, 5, 6, 8, 13, 64, 96])
 def test_few_token_linear_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
     ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(rows * 1000 + columns)
@@ -268,7 +269,7 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
     weight, bias = torch.randn(960, 576, generator=generator), torch.randn(960, generator=generator)
     packed = pack_weight_for_cpu(weight)
     assert packed is not None
-    for rows in (1, 7, 8, 9, 64, 513):
+    for rows in (1, 7, 8, 9, 64, 96, 97, 128, 513):
         x = torch.randn(rows, 576, generator=generator)
         expected = torch.nn.functional.linear(x, weight, bias)
         torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)

@@ -42,6 +42,19 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_llm, smollm2_dir, hf_refer
 
 
 @pytest.mark.slow
+def test_smollm2_batch_of_fourteen_matches_hf(smollm2_llm, smollm2_dir, hf_reference):
+    """Fourteen decodes a step: two full register blocks of the CPU linear kernel and decoder stack, and a remainder."""
+    tokenizer = smollm2_llm.tokenizer
+    subjects = ["rivers", "volcanoes", "bees", "trains", "libraries", "glaciers", "chess", "bread", "comets"]
+    prompts = [*SMOLLM2_PROMPTS, *(f"Here is a short paragraph about {subject}:" for subject in subjects)]
+    prompt_ids = [tokenizer.encode(prompt) for prompt in prompts]
+    expected = [hf_reference.greedy(smollm2_dir, ids, 16) for ids in prompt_ids]
+    batched = smollm2_llm.generate(prompt_ids, greedy(16), use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in batched] == expected
+    assert_no_leaked_blocks(smollm2_llm)
+
+
+@pytest.mark.slow
 def test_smollm2_chat_matches_hf(smollm2_llm, smollm2_dir, hf_reference):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     output = smollm2_llm.chat(messages, greedy(48), use_tqdm=False)[0]

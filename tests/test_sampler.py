@@ -57,6 +57,21 @@ def test_greedy_is_argmax_and_fast_path_reports_no_logprobs() -> None:
     assert out.logprobs == [None] * 8
 
 
+def test_greedy_ties_take_the_first_maximum_as_argmax_does() -> None:
+    # Logits rounded to a few values: most rows hold their maximum several times, at positions past the vector width.
+    logits = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(3)) * 2).round().clamp(max=6.0)
+    logits[5, 40000:] = 9.0  # the maximum only in a long run at the end
+    logits[6, :] = 1.0  # every entry equal
+    first_maximum = [row.tolist().index(row.max().item()) for row in logits]
+    assert sum(1 for row in logits if (row == row.max()).sum() > 1) >= 60
+    greedy = [make_row(SamplingParams(temperature=0.0)) for _ in range(64)]
+    assert Sampler([EOS])(logits.clone(), greedy).sampled_token_ids == first_maximum
+    # The mixed path (a random row beside greedy ones) takes the same index for its greedy rows.
+    mixed = [*greedy[:63], make_row(SamplingParams(temperature=1.0, seed=1))]
+    assert Sampler([EOS])(logits.clone(), mixed).sampled_token_ids[:63] == first_maximum[:63]
+    assert first_maximum == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_rows_are_unaffected_by_their_neighbours() -> None:
     logits = torch.randn(6, 3000)
     greedy = SamplingParams(temperature=0.0)

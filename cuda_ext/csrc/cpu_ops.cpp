@@ -419,42 +419,138 @@ inline bool add_rms_norm_row_lanes<float>(
   return true;
 }
 
-// y = W x for a few fp32 tokens: four weight rows per pass share each load of x, and the weight streams from
-// memory once in row order (oneDNN's packed GEMM reaches about two thirds of that rate at one row). A pass's
-// rows (at most 4 x 1,536 floats here) stay in L1 for the tokens after the first.
-constexpr int64_t kRowsPerPass = 4;
+// y = x W^T for fp32 tokens, register-blocked: kBlockRows weight rows x kBlockTokens tokens of dot products in
+// registers, so each load of a weight vector feeds kBlockTokens FMAs and each load of x feeds kBlockRows. A group
+// of weight rows streams from memory once (the next group is prefetched while this one computes) and is reread
+// from L1 for the step's later tokens; oneDNN's GEMM stalls on that stream when the weight is not in cache.
+constexpr int64_t kBlockRows = 4;
+#if defined(__AVX512F__)
+constexpr int64_t kBlockTokens = 6;  // 24 sums + 4 weight vectors + x: 29 of 32 registers
+#else
+constexpr int64_t kBlockTokens = 2;  // 16 registers: 8 sums + 4 weight vectors + x
+#endif
+
+// target[0..3] = the lane sums of a, b, c and d.
+inline void store_four_sums(float* target, Lanes a, Lanes b, Lanes c, Lanes d) {
+#if defined(__AVX512F__)
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [a, b, c, d] partial sums; then the four lanes added.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), upper);
+  _mm_storeu_ps(target, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+#elif defined(__AVX__)
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(target, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  target[0] = sum_lanes(a);
+  target[1] = sum_lanes(b);
+  target[2] = sum_lanes(c);
+  target[3] = sum_lanes(d);
+#endif
+}
+
+// kTokens tokens x kBlockRows rows over the vector part of the columns, asking L2 for the `num_prefetch` rows at
+// `prefetch` meanwhile (the next group's, so its stream from memory overlaps this group's arithmetic).
+template <int64_t kTokens>
+inline void dot_block(const float* x, int64_t x_stride, const float* w, int64_t row_stride, int64_t vector_columns,
+                      float* out, int64_t out_stride, const float* const* prefetch, int64_t num_prefetch) {
+  Lanes sums[kTokens][kBlockRows] = {};
+  for (int64_t i = 0; i < vector_columns; i += kLanes) {
+    Lanes rows[kBlockRows];
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      rows[r] = load_lanes(w + r * row_stride + i);
+    }
+    for (int64_t p = 0; p < num_prefetch; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch[p] + i), _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const Lanes xs = load_lanes(x + t * x_stride + i);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < kBlockRows; ++r) {
+        sums[t][r] += rows[r] * xs;
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < kTokens; ++t) {
+    store_four_sums(out + t * out_stride, sums[t][0], sums[t][1], sums[t][2], sums[t][3]);
+  }
+}
+
+// All tokens against the kBlockRows weight rows at w, in blocks of kBlockTokens. `next` (or null): the next
+// group's first row; its rows are prefetched one block after another, spread over the group's whole run.
+inline void dot_row_group(const float* x, int64_t x_stride, int64_t num_tokens, const float* w, int64_t row_stride,
+                          int64_t vector_columns, float* out, int64_t out_stride, const float* next) {
+  const int64_t num_blocks = (num_tokens + kBlockTokens - 1) / kBlockTokens;
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    const float* prefetch[kBlockRows];
+    int64_t num_prefetch = 0;
+    for (int64_t r = block; next != nullptr && r < kBlockRows; r += num_blocks) {
+      prefetch[num_prefetch++] = next + r * row_stride;
+    }
+    const int64_t token = block * kBlockTokens;
+    const float* block_x = x + token * x_stride;
+    float* block_out = out + token * out_stride;
+    switch (std::min(kBlockTokens, num_tokens - token)) {
+#if defined(__AVX512F__)
+      case 6:
+        dot_block<6>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+      case 5:
+        dot_block<5>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+      case 4:
+        dot_block<4>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+      case 3:
+        dot_block<3>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+#endif
+      case 2:
+        dot_block<2>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+      default:
+        dot_block<1>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
+        break;
+    }
+  }
+}
 
 void linear_tokens_kernel(const float* x, int64_t x_stride, int64_t num_tokens, const float* weight,
                           int64_t row_stride, float* out, int64_t out_stride, int64_t rows, int64_t columns) {
   const int64_t vector_columns = columns - columns % kLanes;
-  const auto dot_rows = [&](const float* token_x, float* token_out, int64_t first, int64_t count) {
-    Lanes sums[kRowsPerPass] = {};
-    for (int64_t i = 0; i < vector_columns; i += kLanes) {
-      const Lanes xs = load_lanes(token_x + i);
-      for (int64_t r = 0; r < count; ++r) {
-        sums[r] += load_lanes(weight + (first + r) * row_stride + i) * xs;
+  const int64_t num_groups = (rows + kBlockRows - 1) / kBlockRows;
+  const int64_t full_groups = rows / kBlockRows;
+  // Columns past the last full vector, and rows past the last full group, one scalar dot product each.
+  const auto scalar_dots = [&](int64_t first_row, int64_t last_row, int64_t first_column, bool accumulate) {
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      const float* token_x = x + token * x_stride;
+      for (int64_t r = first_row; r < last_row; ++r) {
+        const float* row = weight + r * row_stride;
+        float total = accumulate ? out[token * out_stride + r] : 0.f;
+        for (int64_t i = first_column; i < columns; ++i) {
+          total += row[i] * token_x[i];
+        }
+        out[token * out_stride + r] = total;
       }
-    }
-    for (int64_t r = 0; r < count; ++r) {
-      float total = sum_lanes(sums[r]);
-      const float* row = weight + (first + r) * row_stride;
-      for (int64_t i = vector_columns; i < columns; ++i) {
-        total += row[i] * token_x[i];
-      }
-      token_out[first + r] = total;
     }
   };
-  const int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
-  at::parallel_for(0, passes, grain_rows(kRowsPerPass * columns * num_tokens), [&](int64_t begin, int64_t end) {
-    for (int64_t pass = begin; pass < end; ++pass) {
-      const int64_t first = pass * kRowsPerPass;
-      const int64_t count = std::min(kRowsPerPass, rows - first);
-      for (int64_t token = 0; token < num_tokens; ++token) {
-        if (count == kRowsPerPass) {
-          dot_rows(x + token * x_stride, out + token * out_stride, first, kRowsPerPass);
-        } else {
-          dot_rows(x + token * x_stride, out + token * out_stride, first, count);
-        }
+  at::parallel_for(0, num_groups, grain_rows(kBlockRows * columns * num_tokens), [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t first = group * kBlockRows;
+      if (group >= full_groups) {
+        scalar_dots(first, rows, 0, false);
+        continue;
+      }
+      const float* w = weight + first * row_stride;
+      const float* next = group + 1 < std::min(end, full_groups) ? w + kBlockRows * row_stride : nullptr;
+      dot_row_group(x, x_stride, num_tokens, w, row_stride, vector_columns, out + first, out_stride, next);
+      if (vector_columns < columns) {
+        scalar_dots(first, first + kBlockRows, vector_columns, true);
       }
     }
   });
@@ -868,7 +964,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
   module.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
-  module.def("linear_tokens", &linear_tokens, "x @ weight^T for a few fp32 tokens, at the rate memory streams");
+  module.def("linear_tokens", &linear_tokens, "x @ weight^T for fp32 tokens, each weight streamed from memory once");
+  // fp32 lanes per vector register of this build: how far linear_tokens beats a GEMM library depends on it.
+  module.attr("vector_lanes") = kLanes;
   pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),

@@ -21,9 +21,16 @@ logger = logging.getLogger(__name__)
 
 # oneDNN picks its blocked layout for a typical M; any batch size still runs on it.
 PACKING_BATCH_HINT = 64
-# Up to this many rows our memory-rate kernel beats oneDNN's packed GEMM (Zen 3, the model's 121 matmuls: 1.17-1.27x
-# at 1-6 rows, even at 8, 0.79x at 12): each weight streams from memory once, whatever the row count.
-FEW_TOKENS_MAX = 8
+
+
+def kernel_max_rows(few_token_ops: ModuleType) -> int:
+    """Up to how many rows our fp32 linear kernel beats oneDNN's packed GEMM on this build.
+
+    Over a decode step's 121 distinct weights (as in the model, so each streams from memory): with 16-lane registers
+    (AVX-512, 6 tokens a register block; Intel, 2 cores) 1.31x at 1 row, 1.39-1.45x at 8-16, 1.21x at 32, 1.15x at
+    64, 1.03x at 96 and 0.96x at 128; with 8 lanes (AVX2, Zen 3) 1.16-1.27x at 1-6 rows, even at 8, 0.79x at 12.
+    """
+    return 96 if few_token_ops.vector_lanes >= 16 else 8
 
 
 def read_rows(loaded_weight: Any, start: int, size: int) -> torch.Tensor:
@@ -71,9 +78,9 @@ def apply_linear(
     bias: torch.Tensor | None = None,
     few_token_ops: ModuleType | None = None,
 ) -> torch.Tensor:
-    if few_token_ops is not None and x.dim() == 2 and x.shape[0] <= FEW_TOKENS_MAX:
-        # A few tokens are matrix-vector products, bound by how fast the weight streams: our kernel reads it at
-        # the memory's rate, oneDNN's packed GEMM at about two thirds of it.
+    if few_token_ops is not None and x.dim() == 2 and x.shape[0] <= kernel_max_rows(few_token_ops):
+        # Our kernel streams each weight from memory once, overlapped with the arithmetic; oneDNN's GEMM stalls on
+        # that stream at decode batch sizes (a matrix-vector product at one token, ~0.75x its in-cache rate at 64).
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         few_token_ops.linear_tokens(out, x if x.stride(-1) == 1 else x.contiguous(), weight)
         return out.add_(bias) if bias is not None else out
@@ -83,8 +90,8 @@ def apply_linear(
 
 
 class PackableWeight:
-    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU, and our few-token
-    kernel over the plain weight for up to FEW_TOKENS_MAX fp32 rows."""
+    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU, and our fp32 kernel
+    over the plain weight for up to `kernel_max_rows` rows."""
 
     packed_weight: torch.Tensor | None = None
     few_token_ops: ModuleType | None = None

@@ -11,10 +11,10 @@ from torch import nn
 from cuda_ext.attention import AttentionBackend, get_attention_backend
 from cuda_ext.fused_ops import silu_and_mul
 from model_executor.layers.linear import (
-    FEW_TOKENS_MAX,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    kernel_max_rows,
 )
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
@@ -156,9 +156,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         # Set by prepare_decode_stack once the weights are loaded, where the C++ stack applies.
         self.decode_stack: Any = None
+        self.decode_stack_max_tokens = 0
 
     def prepare_decode_stack(self) -> bool:
-        """Decode steps of up to FEW_TOKENS_MAX tokens run this stage's layers in one C++ call (CPU, fp32, one
+        """Decode steps of up to `kernel_max_rows` tokens run this stage's layers in one C++ call (CPU, fp32, one
         tensor-parallel rank).
 
         At a few tokens the matrix products stream the weights at memory speed, and the ~30 other small ops per
@@ -200,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
                 mlp.down_proj.bias,
             )
         self.decode_stack = stack
+        # Its projections run our linear kernel: the stack applies as far as that kernel beats oneDNN's GEMM.
+        self.decode_stack_max_tokens = kernel_max_rows(ops)
         return True
 
     @property
@@ -228,7 +231,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden_states, residual = intermediate
         num_tokens = input_ids.shape[0]
-        if self.decode_stack is not None and num_tokens <= FEW_TOKENS_MAX and attn_metadata.num_decodes == num_tokens:
+        if (
+            self.decode_stack is not None
+            and num_tokens <= self.decode_stack_max_tokens
+            and attn_metadata.num_decodes == num_tokens
+        ):
             has_residual = residual is not None
             if residual is None:
                 residual = torch.empty_like(hidden_states)
