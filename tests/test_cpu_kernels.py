@@ -261,6 +261,28 @@ def test_few_token_linear_matches_torch_at_any_shape(rows: int, columns: int, nu
         ops.linear_tokens(out.double(), x.double(), weight.double())
 
 
+def test_linear_results_do_not_depend_on_which_thread_takes_which_claim() -> None:
+    """Each pool thread takes claims of its share and then of the others': with a core kept busy by another process
+    the threads fall out of step and take each other's claims, and every output must still come out bit for bit."""
+    ops = load_cpu_ops()
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(3072, 576, generator=generator)
+    x = torch.randn(64, 576, generator=generator)
+    reference = torch.empty(64, 3072)
+    ops.linear_tokens(reference, x, weight)
+    torch.testing.assert_close(reference, x @ weight.T, atol=1e-4, rtol=1e-5)
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        for _ in range(40):
+            out = torch.full((64, 3072), float("nan"))
+            ops.linear_tokens(out, x, weight)
+            assert torch.equal(out, reference)
+    finally:
+        busy.kill()
+        busy.wait(timeout=10)
+
+
 def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None:
     from executor import LLM
     from model_executor.layers.linear import PackableWeight, apply_linear, pack_weight_for_cpu
