@@ -1,9 +1,12 @@
 """Our C++ CPU kernels against the pure-torch path they replace, at SmolLM2-135M's shapes, per layer of one step.
 
-    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50]
+    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,96,128]
 
 Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
-whole backend call (KV write + attention) on decode batches over shuffled cache blocks.
+whole backend call (KV write + attention) on decode batches over shuffled cache blocks. A second table times a
+whole step's linears (SmolLM2's 120 layer matmuls on distinct random weights, so each streams from memory as in
+the model, plus the LM head) on oneDNN's packed GEMM (what the engine runs past `kernel_max_rows`) and on our
+kernel, at each row count: the measurement behind `model_executor.layers.linear.kernel_max_rows`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
+from model_executor.layers.linear import PACKING_BATCH_HINT
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 9, 3, 64, 576, 1536, 16
 
@@ -55,6 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--linear-rows", default="1,8,16,32,64,96,128", help="row counts of the linear-step table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,7 +74,50 @@ def main() -> int:
     print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
     for name, torch_us, cpp_us in rows:
         print(f"| {name:<36} | {torch_us:>9.1f} | {cpp_us:>9.1f} | {torch_us / max(cpp_us, 1e-3):>6.2f}x |")
+    print()
+    print(f"| {'a step of linears (121 weights)':<36} | {'oneDNN ms':>9} | {'ours ms':>9} | speedup |")
+    print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
+    for num_rows, onednn_ms, ours_ms in linear_step_rows([int(rows) for rows in args.linear_rows.split(",")]):
+        label = f"{num_rows} rows ({2 * num_rows * STEP_LINEAR_PARAMS / ours_ms / 1e6:.0f} GFLOP/s ours)"
+        print(f"| {label:<36} | {onednn_ms:>9.1f} | {ours_ms:>9.1f} | {onednn_ms / ours_ms:>6.2f}x |")
     return 0
+
+
+# SmolLM2-135M's layer matmuls ([out, in]: qkv, o, gate_up, down) x 30 layers, and its LM head.
+STEP_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+STEP_LINEAR_PARAMS = sum(rows * columns for rows, columns in STEP_LINEAR_SHAPES)
+
+
+def onednn_linear_step(packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    for weight in packed:
+        torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], weight, None, "none", [], "")
+
+
+def our_linear_step(ops, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], outputs: list[torch.Tensor]):
+    for weight, out in zip(weights, outputs, strict=True):
+        ops.linear_tokens(out, inputs[weight.shape[1]], weight)
+
+
+def linear_step_rows(row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
+    """(rows, oneDNN ms, ours ms) for one step's linears, the best of two alternated rounds of `repeats` steps."""
+    ops = load_cpu_ops()
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(rows, columns, generator=generator) for rows, columns in STEP_LINEAR_SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT) for weight in weights]
+    results = []
+    for num_rows in row_counts:
+        inputs = {columns: torch.randn(num_rows, columns, generator=generator) for columns in (576, 1536)}
+        outputs = [torch.empty(num_rows, weight.shape[0]) for weight in weights]
+        steps = {
+            "oneDNN": partial(onednn_linear_step, packed, inputs),
+            "ours": partial(our_linear_step, ops, weights, inputs, outputs),
+        }
+        best = dict.fromkeys(steps, float("inf"))
+        for _ in range(2):
+            for name, step in steps.items():
+                best[name] = min(best[name], time_us(step, repeats) / 1000)
+        results.append((num_rows, best["oneDNN"], best["ours"]))
+    return results
 
 
 def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:

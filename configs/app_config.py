@@ -38,7 +38,7 @@ class SchedulerSection(Section):
     max_num_seqs: int = Field(128, ge=1)
     prioritize_prefill: bool = False
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed chunk (first and last at once).")
-    async_scheduling: bool | None = Field(None, description="Plan a step ahead; None: one CUDA worker.")
+    async_scheduling: bool | None = Field(None, description="Plan a step ahead; None: with one worker.")
     max_waiting_requests: int = Field(1024, ge=1, description="Queue cap; beyond it requests get 503 + Retry-After.")
     seed: int = 0
 

@@ -403,7 +403,7 @@ class EngineActor:
         """Plan, start, collect. With async scheduling the next step is planned and queued on the workers before
         the running one returns, so the workers never wait for the scheduler between steps."""
         core = self.core
-        depth = 2 if self.config.uses_async_scheduling(core.model_info.device) else 1
+        depth = 2 if self.config.uses_async_scheduling() else 1
         while True:
             has_work = core.has_unfinished_requests()
             if not has_work and not core.steps_in_flight:

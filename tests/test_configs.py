@@ -29,10 +29,9 @@ def test_default_preset_is_what_make_serve_promises():
 def test_tp3_preset_splits_smollm2_three_ways():
     config = AppConfig.from_yaml("smollm2-tp3")
     assert config.parallel.tensor_parallel_size == 3
-    # Other ranks learn sampled tokens from the plans: async scheduling is off there by default, even on CUDA.
-    assert not config.engine_config().uses_async_scheduling("cuda")
-    default = AppConfig.from_yaml("default").engine_config()
-    assert default.uses_async_scheduling("cuda") and not default.uses_async_scheduling("cpu")
+    # Other ranks learn sampled tokens from the plans: async scheduling is off there by default.
+    assert not config.engine_config().uses_async_scheduling()
+    assert AppConfig.from_yaml("default").engine_config().uses_async_scheduling()
 
 
 def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
@@ -41,9 +40,9 @@ def test_async_scheduling_with_tensor_parallelism_is_refused(tmp_path):
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size"):
         AppConfig.from_yaml(bad).engine_config()
     bad.write_text("scheduler:\n  async_scheduling: false\n")
-    assert not AppConfig.from_yaml(bad).engine_config().uses_async_scheduling("cuda")
+    assert not AppConfig.from_yaml(bad).engine_config().uses_async_scheduling()
     bad.write_text("scheduler:\n  async_scheduling: true\n")
-    assert AppConfig.from_yaml(bad).engine_config().uses_async_scheduling("cpu")
+    assert AppConfig.from_yaml(bad).engine_config().uses_async_scheduling()
 
 
 def test_direct_ingress_is_refused_with_more_than_one_ingress_replica_or_a_foreign_ray(tmp_path, monkeypatch):
