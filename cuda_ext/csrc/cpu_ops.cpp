@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -532,6 +534,17 @@ inline void dot_block(const float* x, int64_t x_stride, const float* w, int64_t 
   }
 }
 
+using DotBlock = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, const float* const*,
+                         int64_t);
+
+template <int64_t... kCounts>
+constexpr std::array<DotBlock, sizeof...(kCounts)> dot_blocks_by_count(std::integer_sequence<int64_t, kCounts...>) {
+  return {&dot_block<kCounts + 1>...};
+}
+
+// dot_block for 1 .. kBlockTokens tokens: a block of the last, shorter run of tokens takes its own count.
+constexpr auto kDotBlocks = dot_blocks_by_count(std::make_integer_sequence<int64_t, kBlockTokens>{});
+
 // All tokens against the kBlockRows weight rows at w, in blocks of kBlockTokens. `next` (or null): the next
 // group's first row; its rows are prefetched one block after another, spread over the group's whole run.
 inline void dot_row_group(const float* x, int64_t x_stride, int64_t num_tokens, const float* w, int64_t row_stride,
@@ -546,28 +559,8 @@ inline void dot_row_group(const float* x, int64_t x_stride, int64_t num_tokens, 
     const int64_t token = block * kBlockTokens;
     const float* block_x = x + token * x_stride;
     float* block_out = out + token * out_stride;
-    switch (std::min(kBlockTokens, num_tokens - token)) {
-#if defined(__AVX512F__)
-      case 6:
-        dot_block<6>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-      case 5:
-        dot_block<5>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-      case 4:
-        dot_block<4>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-      case 3:
-        dot_block<3>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-#endif
-      case 2:
-        dot_block<2>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-      default:
-        dot_block<1>(block_x, x_stride, w, row_stride, vector_columns, block_out, out_stride, prefetch, num_prefetch);
-        break;
-    }
+    kDotBlocks[std::min(kBlockTokens, num_tokens - token) - 1](block_x, x_stride, w, row_stride, vector_columns,
+                                                                block_out, out_stride, prefetch, num_prefetch);
   }
 }
 
