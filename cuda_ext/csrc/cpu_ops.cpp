@@ -816,10 +816,10 @@ void linear_tokens(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
       out.stride(0), weight.size(0), weight.size(1));
 }
 
-// A few fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and
-// RMSNorm, the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the
-// second norm and the SwiGLU MLP. At a handful of tokens a step is ~30 small ops per layer, whose Python and
-// dispatch overhead was about a fifth of the step; the matrix products stream each weight from memory once.
+// fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
+// the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
+// and the SwiGLU MLP. At a handful of tokens a step is ~30 small ops per layer, whose Python and dispatch overhead
+// was about a fifth of the step; the matrix products (linear_tokens_kernel) stream each weight from memory once.
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,

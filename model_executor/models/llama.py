@@ -162,8 +162,9 @@ class LlamaForCausalLM(nn.Module):
         """Decode steps of up to `kernel_max_rows` tokens run this stage's layers in one C++ call (CPU, fp32, one
         tensor-parallel rank).
 
-        At a few tokens the matrix products stream the weights at memory speed, and the ~30 other small ops per
-        layer, each a Python call and a dispatch, were about a fifth of the step.
+        Its matrix products are our linear kernel (each weight streamed from memory once), and the ~30 other small
+        ops per layer, each a Python call and a dispatch on the layer-by-layer path, were about a fifth of a
+        one-token step.
         """
         from cuda_ext.attention.cpu_backend import CpuAttentionBackend
         from cuda_ext.cpu_ops import load_cpu_ops
