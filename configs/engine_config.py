@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
         None,
         description="The scheduler actor plans the next step while the workers run this one (the tokens it will "
         "sample are placeholders until it returns); needs TP = PP = 1. None: on wherever TP = PP = 1 (CPU "
-        "included: on the 2-core Intel VM 1.01-1.07x tokens/s and a lower TTFT in four alternated rounds of four).",
+        "included: on the 2-core Intel VM 1.01-1.07x tokens/s and a lower TTFT in each of four alternated rounds).",
     )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."

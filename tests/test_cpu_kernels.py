@@ -246,7 +246,7 @@ def test_a_second_checkout_loads_the_built_kernels_without_rebuilding(tmp_path: 
 @pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (5, 40), (1, 8), (3, 1536)])
 # 6 and 13 tokens: full register blocks (6 tokens with AVX-512, 2 with AVX2) and remainders; 96 the largest it takes.
 @pytest.mark.parametrize("num_tokens", [1, 3, 5, 6, 8, 13, 64, 96])
-def test_few_token_linear_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
+def test_linear_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
     ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(rows * 1000 + columns)
     # A column slice of a wider matrix: rows further apart than their length, as a tensor-parallel shard could be.
@@ -301,4 +301,4 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
     modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
     # q/k/v, o, gate/up and down per layer, plus the LM head.
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(module.packed_weight is not None and module.few_token_ops is not None for module in modules)
+    assert all(module.packed_weight is not None and module.linear_kernel_ops is not None for module in modules)

@@ -23,14 +23,15 @@ logger = logging.getLogger(__name__)
 PACKING_BATCH_HINT = 64
 
 
-def kernel_max_rows(few_token_ops: ModuleType) -> int:
+def kernel_max_rows(linear_kernel_ops: ModuleType) -> int:
     """Up to how many rows our fp32 linear kernel beats oneDNN's packed GEMM on this build.
 
-    Over a decode step's 121 distinct weights (as in the model, so each streams from memory): with 16-lane registers
-    (AVX-512, 6 tokens a register block; Intel, 2 cores) 1.31x at 1 row, 1.39-1.45x at 8-16, 1.21x at 32, 1.15x at
-    64, 1.03x at 96 and 0.96x at 128; with 8 lanes (AVX2, Zen 3) 1.16-1.27x at 1-6 rows, even at 8, 0.79x at 12.
+    Over a decode step's 121 distinct weights (as in the model, so each streams from memory;
+    `benchmarks/bench_cpu_kernels.py`): with 16-lane registers (AVX-512, 6 tokens a register block; Intel, 2 cores)
+    1.30x at 1 row, 1.37x at 8, 1.38x at 16, 1.26x at 32, 1.18x at 64, 1.06x at 96 and 0.98x at 128; with 8 lanes
+    (AVX2, Zen 3, the earlier one-row-at-a-time kernel) 1.16-1.27x at 1-6 rows, even at 8, 0.79x at 12.
     """
-    return 96 if few_token_ops.vector_lanes >= 16 else 8
+    return 96 if linear_kernel_ops.vector_lanes >= 16 else 8
 
 
 def read_rows(loaded_weight: Any, start: int, size: int) -> torch.Tensor:
@@ -76,13 +77,13 @@ def apply_linear(
     weight: torch.Tensor,
     packed_weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
-    few_token_ops: ModuleType | None = None,
+    linear_kernel_ops: ModuleType | None = None,
 ) -> torch.Tensor:
-    if few_token_ops is not None and x.dim() == 2 and x.shape[0] <= kernel_max_rows(few_token_ops):
+    if linear_kernel_ops is not None and x.dim() == 2 and x.shape[0] <= kernel_max_rows(linear_kernel_ops):
         # Our kernel streams each weight from memory once, overlapped with the arithmetic; oneDNN's GEMM stalls on
         # that stream at decode batch sizes (a matrix-vector product at one token, ~0.75x its in-cache rate at 64).
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        few_token_ops.linear_tokens(out, x if x.stride(-1) == 1 else x.contiguous(), weight)
+        linear_kernel_ops.linear_tokens(out, x if x.stride(-1) == 1 else x.contiguous(), weight)
         return out.add_(bias) if bias is not None else out
     if packed_weight is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
@@ -94,14 +95,14 @@ class PackableWeight:
     over the plain weight for up to `kernel_max_rows` rows."""
 
     packed_weight: torch.Tensor | None = None
-    few_token_ops: ModuleType | None = None
+    linear_kernel_ops: ModuleType | None = None
 
     def pack_weights(self) -> None:
         from cuda_ext.cpu_ops import load_cpu_ops
 
         self.packed_weight = pack_weight_for_cpu(self.weight)
         if self.packed_weight is not None and self.weight.dtype == torch.float32:
-            self.few_token_ops = load_cpu_ops()
+            self.linear_kernel_ops = load_cpu_ops()
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):
@@ -115,7 +116,7 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.packed_weight, self.bias, self.few_token_ops)
+        return apply_linear(x, self.weight, self.packed_weight, self.bias, self.linear_kernel_ops)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
@@ -188,7 +189,9 @@ class RowParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(apply_linear(x, self.weight, self.packed_weight, few_token_ops=self.few_token_ops))
+        y = self.parallel.all_reduce(
+            apply_linear(x, self.weight, self.packed_weight, linear_kernel_ops=self.linear_kernel_ops)
+        )
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:

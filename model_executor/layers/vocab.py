@@ -41,5 +41,7 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     """Logits over the vocabulary: each rank scores its own token ids, then the slices are gathered."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local_logits = apply_linear(hidden_states, self.weight, self.packed_weight, few_token_ops=self.few_token_ops)
+        local_logits = apply_linear(
+            hidden_states, self.weight, self.packed_weight, linear_kernel_ops=self.linear_kernel_ops
+        )
         return self.parallel.all_gather_last_dim(local_logits)[:, : self.vocab_size]
