@@ -53,6 +53,19 @@ def direct_ingress_env(config: AppConfig) -> dict[str, str]:
     }
 
 
+def embedded_ray_env(config: AppConfig, direct_ingress: bool) -> dict[str, str]:
+    """Settings for the processes of a Ray that `pagedserve serve` starts.
+
+    Serve's control loop runs every 0.5 s unless the environment says otherwise. Measured on the 2-core VM: Serve's
+    idle CPU fell from 2.3 to 1.7 CPU-s per 20 s, and over HTTP, alternated runs, 64 streams gained 3-6% tok/s and
+    one stream 2-5%; replica health checks and autoscaling decisions react within 0.5 s instead of 0.1 s.
+    """
+    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": os.environ.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")}
+    if direct_ingress:
+        env.update(direct_ingress_env(config))
+    return env
+
+
 def start_ray(config: AppConfig) -> bool:
     """Connect to RAY_ADDRESS or start an embedded Ray; True when this process started (and so owns) Ray."""
     import ray
@@ -71,8 +84,8 @@ def start_ray(config: AppConfig) -> bool:
         logger.info("attaching to the Ray cluster at %s", address)
         ray.init(address=address)
         return False
+    os.environ.update(embedded_ray_env(config, direct_ingress))
     if direct_ingress:
-        os.environ.update(direct_ingress_env(config))
         logger.info(
             "direct ingress: the ingress replica serves port %d, Serve's proxy port %d",
             config.serve.port,

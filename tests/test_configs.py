@@ -107,3 +107,19 @@ def test_serve_config_file_carries_an_app_config():
     (application,) = serve_config["applications"]
     assert application["import_path"] == "serve_app.app:build_app"
     assert AppConfig.model_validate(application["args"]).serve.app_name == application["name"]
+
+
+def test_embedded_ray_runs_serve_control_loop_every_half_second_unless_told(tmp_path, monkeypatch):
+    """A Ray that `pagedserve serve` starts gets Serve's control loop at 0.5 s (Serve's 0.1 s costs 3% of a core,
+    idle); a value in the environment wins; direct ingress adds its own settings."""
+    from cluster.serve import embedded_ray_env
+
+    path = tmp_path / "config.yaml"
+    path.write_text("serve:\n  port: 9100\n")
+    config = AppConfig.from_yaml(path)
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
+    assert embedded_ray_env(config, direct_ingress=False) == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
+    env = embedded_ray_env(config, direct_ingress=True)
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9100"
