@@ -189,12 +189,12 @@ def offline_figures(model_dir: str) -> dict[str, float]:
 
 
 def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
-    """Output tok/s of the serving path minus Serve and HTTP: an EngineActor with its model worker actor, fed and
-    polled in one batch per call from this process, as an ingress replica does."""
+    """Output tok/s of the serving path minus Serve and HTTP: an EngineActor with its model worker actor, fed in
+    one batch and read through its output stream from this process, as an ingress replica does."""
     import ray
 
     from configs.app_config import AppConfig
-    from executor.engine_actor import EngineActor
+    from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor
 
     config = AppConfig.from_yaml(REPO / "configs" / "default.yaml").engine_config()
     engine = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(config)
@@ -205,10 +205,14 @@ def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
             *[engine.add_request.remote("bench", f"{prefix}-{i}", ids, params) for i, ids in enumerate(prompts)]
         )
         num_finished = num_tokens = 0
-        while num_finished < len(prompts):
-            for output in await engine.get_outputs.remote("bench"):
+        stream = engine.stream_outputs.options(
+            num_returns="streaming", _generator_backpressure_num_objects=OUTPUT_STREAM_AHEAD
+        ).remote("bench")
+        async for batch in stream:
+            for output in await batch:
                 num_tokens += len(output.new_token_ids)
                 num_finished += output.finish_reason is not None
+        assert num_finished == len(prompts)
         return num_tokens / (time.perf_counter() - start)
 
     try:

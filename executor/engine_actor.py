@@ -1,5 +1,6 @@
 """The scheduler actor: one per engine replica. Owns the EngineCore, runs the step loop in the background,
-and hands outputs to each ingress replica in one batch per call (never one Ray call per token per request).
+and hands outputs to each ingress replica over one output stream, a batch per step (never one Ray message per token
+per request).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Container, Coroutine, Sequence
+from collections.abc import AsyncIterator, Container, Coroutine, Sequence
 from typing import Any
 
 from configs.engine_config import EngineConfig
@@ -24,7 +25,10 @@ from model_executor.model_info import load_model_info
 logger = logging.getLogger(__name__)
 
 OUTPUT_POLL_TIMEOUT_S = 2.0
-# An ingress with requests here polls every OUTPUT_POLL_TIMEOUT_S; silent this long, it is gone: abort its requests.
+# Batches an output stream may run ahead of its reader; beyond that it waits, and later steps merge into one batch.
+OUTPUT_STREAM_AHEAD = 2
+# An ingress with requests here reads (or polls) at least every OUTPUT_POLL_TIMEOUT_S; silent this long, it is gone:
+# abort its requests.
 REQUEST_LEASE_S = 15.0
 # Every live ingress pings on Serve's health check (every 10 s); silent this long, it no longer counts as attached.
 CLIENT_LEASE_S = 60.0
@@ -137,6 +141,8 @@ class EngineActor:
         self.start_task: asyncio.Task | None = None
         self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
         self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        # The one live output stream of each client (a newer one supersedes it).
+        self.client_streams: dict[str, object] = {}
         self.request_client: dict[str, str] = {}
         self.new_work = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
@@ -201,8 +207,8 @@ class EngineActor:
         return request_ids
 
     async def _watch_clients(self) -> None:
-        """Abort the requests of an ingress that stopped polling (it died), forget ingresses gone quiet, and end
-        this engine when no ingress is left at all."""
+        """Abort the requests of an ingress that stopped reading its outputs (it died), forget ingresses gone
+        quiet, and end this engine when no ingress is left at all."""
         period = min(self.request_lease_s, self.orphan_timeout_s or self.request_lease_s) / 4
         while True:
             await asyncio.sleep(period)
@@ -210,7 +216,10 @@ class EngineActor:
             polling = set(self.request_client.values())
             for client_id, seen in list(self.client_seen.items()):
                 if client_id in polling and seen < now - self.request_lease_s:
-                    failure = f"the ingress did not poll for {self.request_lease_s:.0f} s; its requests were aborted"
+                    failure = (
+                        f"the ingress did not read its outputs for {self.request_lease_s:.0f} s; "
+                        "its requests were aborted"
+                    )
                     request_ids = self._forget_client(client_id, failure)
                     logger.warning("ingress %s went silent: aborted its %d requests", client_id, len(request_ids))
                 elif seen < now - CLIENT_LEASE_S:
@@ -318,6 +327,12 @@ class EngineActor:
 
     async def get_outputs(self, client_id: str) -> list[EngineOutput]:
         """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        await self._await_outputs(client_id)
+        return self._take_outputs(client_id)
+
+    async def _await_outputs(self, client_id: str) -> None:
+        """The client is alive (lease renewed); raises its pending failure, else waits up to OUTPUT_POLL_TIMEOUT_S
+        for outputs."""
         self._touch(client_id)
         failure = self.client_failures.pop(client_id, None)
         if failure is None and client_id in self.client_lease_failures:
@@ -326,16 +341,41 @@ class EngineActor:
             raise EngineDeadError(failure)
         await self._started()
         self._ensure_loop()
-        event = self.client_events[client_id]
         if not self.client_outputs.get(client_id):
             self._raise_if_dead()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), OUTPUT_POLL_TIMEOUT_S)
-        event.clear()
+                await asyncio.wait_for(self.client_events[client_id].wait(), OUTPUT_POLL_TIMEOUT_S)
+
+    def _take_outputs(self, client_id: str) -> list[EngineOutput]:
+        self.client_events[client_id].clear()
         outputs = self.client_outputs.pop(client_id, [])
         if not outputs:
             self._raise_if_dead()
         return outputs
+
+    async def stream_outputs(self, client_id: str) -> AsyncIterator[list[EngineOutput]]:
+        """get_outputs as a stream (call with num_returns="streaming"): one Ray message per batch instead of a call
+        and its reply. Each batch holds everything new since the last; an empty one every OUTPUT_POLL_TIMEOUT_S
+        while the client's requests produce nothing. Run with `_generator_backpressure_num_objects`: a reader
+        that lags holds the stream at its yield (no lease renewal meanwhile) while later steps pile up into one
+        batch. Ends once this client has nothing in flight and nothing undelivered, or a newer stream of the same
+        client started; raises what get_outputs raises."""
+        stream = object()
+        self.client_streams[client_id] = stream
+        try:
+            while self.client_outputs.get(client_id) or self._client_in_flight(client_id):
+                await self._await_outputs(client_id)
+                if self.client_streams.get(client_id) is not stream:
+                    return  # superseded: what came is the newer stream's
+                yield self._take_outputs(client_id)
+        finally:
+            if self.client_streams.get(client_id) is stream:
+                del self.client_streams[client_id]
+
+    def _client_in_flight(self, client_id: str) -> bool:
+        """Requests of this client still running, or a failure it has not been told of yet."""
+        failed = client_id in self.client_failures or client_id in self.client_lease_failures
+        return failed or client_id in self.request_client.values()
 
     async def check_health(self) -> None:
         """Raises while the engine is down or draining; a worker found dead here starts the rebuild."""

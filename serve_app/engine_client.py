@@ -7,6 +7,7 @@ gone is replaced: the client creates (or adopts, by name) a new one and serves a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -17,7 +18,13 @@ from typing import Any
 import ray
 
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import EngineDrainingError, background_task, short_reason
+from executor.engine_actor import (
+    OUTPUT_POLL_TIMEOUT_S,
+    OUTPUT_STREAM_AHEAD,
+    EngineDrainingError,
+    background_task,
+    short_reason,
+)
 from executor.engine_core import EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError
 
@@ -76,6 +83,7 @@ class EngineClient:
         self.pump_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
         self.pending_aborts: set[str] = set()
+        self.submitted = asyncio.Event()
         self.abort_task: asyncio.Task | None = None
         self.restart_task: asyncio.Task | None = None
         self.restart_error: str | None = None
@@ -147,11 +155,20 @@ class EngineClient:
             self.pump_task = background_task(self._pump())
 
     async def _pump(self) -> None:
-        """One Ray call brings every new token of every request of this replica."""
+        """One output stream from the engine brings every new token of every request of this replica, a batch
+        per step; it ends when nothing is left in flight, and a request submitted meanwhile starts the next."""
         while self.queues:
             self._drop_orphans()
+            self.submitted.clear()
+            received = False
             try:
-                outputs: list[EngineOutput] = await self.engine.get_outputs.remote(self.client_id)
+                stream = self.engine.stream_outputs.options(
+                    num_returns="streaming", _generator_backpressure_num_objects=OUTPUT_STREAM_AHEAD
+                ).remote(self.client_id)
+                async for batch in stream:
+                    received = True
+                    self._dispatch(await batch)
+                    self._drop_orphans()
             except Exception as error:
                 self.engine_error = unwrap_ray_error(error)
                 logger.error("engine unreachable: %s", self.engine_error)
@@ -159,13 +176,20 @@ class EngineClient:
                     queue.put_nowait(self.engine_error)
                 self.on_engine_error(error)
                 return
-            by_request: dict[str, list[EngineOutput]] = defaultdict(list)
-            for output in outputs:
-                by_request[output.request_id].append(output)
-            for request_id, request_outputs in by_request.items():
-                queue = self.queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(request_outputs)
+            if not received:
+                # Nothing of ours in flight there (final outputs still wait for their readers): until a new request
+                # comes, look again at the pace of a poll rather than in a loop of Ray calls.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.submitted.wait(), OUTPUT_POLL_TIMEOUT_S)
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        by_request: dict[str, list[EngineOutput]] = defaultdict(list)
+        for output in outputs:
+            by_request[output.request_id].append(output)
+        for request_id, request_outputs in by_request.items():
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(request_outputs)
 
     def _drop_orphans(self) -> None:
         """Abort requests that nobody ever started reading: their reader is gone without saying so."""
@@ -189,6 +213,7 @@ class EngineClient:
             self.cancel(request_id)
             self.on_engine_error(error)
             raise unwrap_ray_error(error) from None
+        self.submitted.set()
         self._ensure_pump()
 
     async def outputs(self, request_id: str, num_completions: int) -> AsyncIterator[list[EngineOutput]]:

@@ -10,7 +10,7 @@ import ray
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import EngineActor
+from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor
 from executor.executors import EngineDeadError
 
 
@@ -250,3 +250,76 @@ def collect_completions(engine, client_id: str, keys: set[tuple[str, int]], time
             if output.finish_reason is not None:
                 completion["finish"] = (output.finish_reason, output.stop_reason)
     return completions
+
+
+def open_stream(engine, client_id: str, ahead: int = 2):
+    return engine.stream_outputs.options(num_returns="streaming", _generator_backpressure_num_objects=ahead).remote(
+        client_id
+    )
+
+
+def test_output_stream_carries_every_token_and_ends_when_nothing_is_left(engine):
+    """The ingress's stream: every token of every request of the client, a batch per step, and the stream ends by
+    itself once the client has nothing in flight; another client's requests are not in it."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ray.get([engine.add_request.remote("client-s", f"s{i}", [5, 6, 7 + i], params) for i in range(3)])
+    ray.get(engine.add_request.remote("client-other", "o0", [5, 6, 9], params))
+    tokens: dict[str, list[int]] = {}
+    num_batches = 0
+    deadline = time.monotonic() + 60
+    for batch_ref in open_stream(engine, "client-s"):
+        assert time.monotonic() < deadline, "the stream did not end"
+        num_batches += 1
+        for output in ray.get(batch_ref, timeout=30):
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert {request_id: len(ids) for request_id, ids in tokens.items()} == {"s0": 8, "s1": 8, "s2": 8}
+    assert num_batches < 3 * 8 / 2  # a batch holds every request's tokens of a step
+    # The other client's request is still there for its own reader, whole.
+    assert sum(len(output.new_token_ids) for output in collect_all(engine, "client-other", {"o0"})) == 8
+    assert ray.get(engine.stats.remote())["num_tracked_requests"] == 0
+
+
+def collect_all(engine, client_id: str, request_ids: set[str]) -> list:
+    outputs, finished = [], set()
+    deadline = time.monotonic() + 60
+    while finished != request_ids:
+        assert time.monotonic() < deadline
+        for output in ray.get(engine.get_outputs.remote(client_id), timeout=30):
+            outputs.append(output)
+            finished |= {output.request_id} if output.finish_reason is not None else set()
+    return outputs
+
+
+def test_a_lagging_stream_reader_gets_the_steps_it_missed_in_one_batch(engine):
+    """Backpressure holds the stream while its reader lags; what the steps made meanwhile arrives merged into the
+    next batch, in order, nothing lost."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ray.get(engine.add_request.remote("client-l", "lag", [5, 6, 7], params))
+    stream = open_stream(engine, "client-l", ahead=1)
+    first = ray.get(next(stream), timeout=30)
+    time.sleep(2.0)  # the engine runs on: ~40 tiny-model steps
+    batch_sizes = [sum(len(output.new_token_ids) for output in first)]
+    for batch_ref in stream:
+        batch_sizes.append(sum(len(output.new_token_ids) for output in ray.get(batch_ref, timeout=30)))
+    assert sum(batch_sizes) == 40
+    assert max(batch_sizes[1:4]) > 5, batch_sizes  # the missed steps came together, not one per step
+
+
+def test_a_newer_stream_of_the_same_client_supersedes_the_older(engine):
+    """An ingress that starts a new stream (its pump restarted) gets everything from then on; the older stream ends
+    at its next wake-up without taking anything, so every token reaches exactly one of them."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    ray.get(engine.add_request.remote("client-n", "n0", [5, 6, 7], params))
+
+    def num_tokens(batch_ref) -> int:
+        return sum(len(output.new_token_ids) for output in ray.get(batch_ref, timeout=30))
+
+    older = open_stream(engine, "client-n")
+    older_tokens = num_tokens(next(older))
+    newer = open_stream(engine, "client-n")
+    newer_tokens = num_tokens(next(newer))
+    older_rest = list(older)
+    assert len(older_rest) <= OUTPUT_STREAM_AHEAD  # only what it had yielded before the newer one started
+    older_tokens += sum(map(num_tokens, older_rest))
+    newer_tokens += sum(map(num_tokens, newer))
+    assert older_tokens + newer_tokens == 200 and newer_tokens > 150
