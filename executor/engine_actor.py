@@ -18,7 +18,7 @@ from typing import Any
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import EngineCore, EngineOutput
-from executor.executors import EngineDeadError, RayExecutor
+from executor.executors import EngineDeadError, EngineOverloadedError, RayExecutor
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import load_model_info
 
@@ -285,21 +285,39 @@ class EngineActor:
     async def add_request(
         self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        """Raises ValueError on bad input (nothing is queued), EngineDeadError once the engine is down and
-        EngineDrainingError while the server shuts down."""
+        """Raises ValueError on bad input (nothing is queued), EngineOverloadedError when the waiting queue is
+        full, EngineDeadError once the engine is down and EngineDrainingError while the server shuts down."""
+        (refusal,) = await self.add_requests(client_id, [(request_id, prompt_token_ids, params)])
+        if refusal is not None:
+            raise refusal
+
+    async def add_requests(
+        self, client_id: str, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+    ) -> list[Exception | None]:
+        """Queue (request_id, prompt_token_ids, params) in order; one Ray call for a burst of arrivals. Returns,
+        per request, None or why it was refused (ValueError: bad input; EngineOverloadedError: queue full);
+        raises EngineDeadError / EngineDrainingError for all of them."""
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         await self._started()
         self._raise_if_dead()
         self._ensure_loop()
         self._touch(client_id)
-        if self.early_aborts.pop(request_id, None) is not None:
-            return  # its abort overtook it: the client is gone already
-        self.core.add_request(request_id, prompt_token_ids, params)
-        # Requests of this client from before a rebuild were already failed, however its pump learnt it.
-        self.client_failures.pop(client_id, None)
-        self.request_client[request_id] = client_id
+        refusals: list[Exception | None] = []
+        for request_id, prompt_token_ids, params in requests:
+            refusals.append(None)
+            if self.early_aborts.pop(request_id, None) is not None:
+                continue  # its abort overtook it: the client is gone already
+            try:
+                self.core.add_request(request_id, prompt_token_ids, params)
+            except (ValueError, EngineOverloadedError) as refusal:
+                refusals[-1] = refusal
+                continue
+            # Requests of this client from before a rebuild were already failed, however its pump learnt it.
+            self.client_failures.pop(client_id, None)
+            self.request_client[request_id] = client_id
         self.new_work.set()
+        return refusals
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests and free their blocks. An async actor may run this before the add_request it follows:

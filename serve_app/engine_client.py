@@ -83,6 +83,8 @@ class EngineClient:
         self.pump_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
         self.pending_aborts: set[str] = set()
+        self.pending_admissions: list[tuple[str, list[int], SamplingParams, asyncio.Future]] = []
+        self.admit_task: asyncio.Task | None = None
         self.submitted = asyncio.Event()
         self.abort_task: asyncio.Task | None = None
         self.restart_task: asyncio.Task | None = None
@@ -206,15 +208,44 @@ class EngineClient:
         self._raise_if_restarting()
         self.queues[request_id] = asyncio.Queue()
         self.queued_at[request_id] = time.monotonic()
+        admitted = asyncio.get_running_loop().create_future()
+        self.pending_admissions.append((request_id, list(prompt_token_ids), params, admitted))
+        if self.admit_task is None or self.admit_task.done():
+            self.admit_task = background_task(self._send_admissions())
         try:
-            await self.engine.add_request.remote(self.client_id, request_id, list(prompt_token_ids), params)
+            refusal = await admitted
         except Exception as error:
             # A call cancelled with its HTTP request (Serve cancels recursively) may have run all the same: abort.
             self.cancel(request_id)
             self.on_engine_error(error)
             raise unwrap_ray_error(error) from None
+        if refusal is not None:
+            self.cancel(request_id)
+            raise refusal
         self.submitted.set()
         self._ensure_pump()
+
+    async def _send_admissions(self) -> None:
+        """Every request submitted since the last call, in one Ray call: a burst of arrivals (64 at once) costs a
+        few calls, not one each. The first goes out at once; those that come while it is in flight go next."""
+        while self.pending_admissions:
+            # A submitter cancelled meanwhile (its client left) has sent its abort already: leave it out.
+            batch = [item for item in self.pending_admissions if not item[3].done()]
+            self.pending_admissions = []
+            if not batch:
+                continue
+            try:
+                refusals = await self.engine.add_requests.remote(
+                    self.client_id, [(request_id, token_ids, params) for request_id, token_ids, params, _ in batch]
+                )
+            except Exception as error:
+                for *_, admitted in batch:
+                    if not admitted.done():
+                        admitted.set_exception(error)
+                continue
+            for (*_, admitted), refusal in zip(batch, refusals, strict=True):
+                if not admitted.done():
+                    admitted.set_result(refusal)
 
     async def outputs(self, request_id: str, num_completions: int) -> AsyncIterator[list[EngineOutput]]:
         """Yields a submitted request's outputs, one list per engine step while the reader keeps up (steps that

@@ -323,3 +323,22 @@ def test_a_newer_stream_of_the_same_client_supersedes_the_older(engine):
     older_tokens += sum(map(num_tokens, older_rest))
     newer_tokens += sum(map(num_tokens, newer))
     assert older_tokens + newer_tokens == 200 and newer_tokens > 150
+
+
+def test_a_burst_of_requests_is_queued_in_one_call_and_a_bad_one_is_refused_alone(engine):
+    """add_requests (what an ingress sends for requests that arrive together): each bad request comes back as its
+    own refusal, the others run to the end, nothing of the refused one is left behind."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    refusals = ray.get(
+        engine.add_requests.remote(
+            "client-burst",
+            [("b0", [5, 6, 7], params), ("b-bad", [10**6], params), ("b1", [5, 6, 8], params)],
+        ),
+        timeout=30,
+    )
+    assert refusals[0] is None and refusals[2] is None
+    assert isinstance(refusals[1], ValueError) and "out of the vocabulary" in str(refusals[1])
+    result = collect(engine, "client-burst", {"b0", "b1"})
+    assert {request_id: len(ids) for request_id, ids in result["tokens"].items()} == {"b0": 6, "b1": 6}
+    stats = ray.get(engine.stats.remote())
+    assert stats["num_tracked_requests"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
