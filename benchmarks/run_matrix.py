@@ -194,7 +194,7 @@ def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
     import ray
 
     from configs.app_config import AppConfig
-    from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor
+    from executor.engine_actor import EngineActor, open_output_stream
 
     config = AppConfig.from_yaml(REPO / "configs" / "default.yaml").engine_config()
     engine = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(config)
@@ -205,10 +205,7 @@ def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
             *[engine.add_request.remote("bench", f"{prefix}-{i}", ids, params) for i, ids in enumerate(prompts)]
         )
         num_finished = num_tokens = 0
-        stream = engine.stream_outputs.options(
-            num_returns="streaming", _generator_backpressure_num_objects=OUTPUT_STREAM_AHEAD
-        ).remote("bench")
-        async for batch in stream:
+        async for batch in open_output_stream(engine, "bench"):
             for output in await batch:
                 num_tokens += len(output.new_token_ids)
                 num_finished += output.finish_reason is not None

@@ -50,6 +50,14 @@ def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
 
 
+def open_output_stream(engine: Any, client_id: str, ahead: int = OUTPUT_STREAM_AHEAD) -> Any:
+    """`engine.stream_outputs(client_id)` as a Ray streaming generator (iterate it for one ObjectRef per batch),
+    with the backpressure its batching rests on: at most `ahead` batches ahead of the reader."""
+    return engine.stream_outputs.options(num_returns="streaming", _generator_backpressure_num_objects=ahead).remote(
+        client_id
+    )
+
+
 def short_reason(error: BaseException) -> str:
     """The last line of an error (Ray puts the remote traceback first): what clients are told; logs keep the rest."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -303,21 +311,24 @@ class EngineActor:
         self._raise_if_dead()
         self._ensure_loop()
         self._touch(client_id)
-        refusals: list[Exception | None] = []
-        for request_id, prompt_token_ids, params in requests:
-            refusals.append(None)
-            if self.early_aborts.pop(request_id, None) is not None:
-                continue  # its abort overtook it: the client is gone already
-            try:
-                self.core.add_request(request_id, prompt_token_ids, params)
-            except (ValueError, EngineOverloadedError) as refusal:
-                refusals[-1] = refusal
-                continue
-            # Requests of this client from before a rebuild were already failed, however its pump learnt it.
-            self.client_failures.pop(client_id, None)
-            self.request_client[request_id] = client_id
+        refusals = [self._admit(client_id, *request) for request in requests]
         self.new_work.set()
         return refusals
+
+    def _admit(
+        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Exception | None:
+        """Queue one request in the core; returns why it was refused, if it was."""
+        if self.early_aborts.pop(request_id, None) is not None:
+            return None  # its abort overtook it: the client is gone already
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params)
+        except (ValueError, EngineOverloadedError) as refusal:
+            return refusal
+        # Requests of this client from before a rebuild were already failed, however its pump learnt it.
+        self.client_failures.pop(client_id, None)
+        self.request_client[request_id] = client_id
+        return None
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests and free their blocks. An async actor may run this before the add_request it follows:
@@ -374,8 +385,8 @@ class EngineActor:
     async def stream_outputs(self, client_id: str) -> AsyncIterator[list[EngineOutput]]:
         """get_outputs as a stream (call with num_returns="streaming"): one Ray message per batch instead of a call
         and its reply. Each batch holds everything new since the last; an empty one every OUTPUT_POLL_TIMEOUT_S
-        while the client's requests produce nothing. Run with `_generator_backpressure_num_objects`: a reader
-        that lags holds the stream at its yield (no lease renewal meanwhile) while later steps pile up into one
+        while the client's requests produce nothing. Open it with `open_output_stream`: a reader that lags (its
+        backpressure) holds the stream at its yield (no lease renewal meanwhile) while later steps pile up into one
         batch. Ends once this client has nothing in flight and nothing undelivered, or a newer stream of the same
         client started; raises what get_outputs raises."""
         stream = object()

@@ -20,9 +20,9 @@ import ray
 from configs.sampling_params import SamplingParams
 from executor.engine_actor import (
     OUTPUT_POLL_TIMEOUT_S,
-    OUTPUT_STREAM_AHEAD,
     EngineDrainingError,
     background_task,
+    open_output_stream,
     short_reason,
 )
 from executor.engine_core import EngineOutput
@@ -164,10 +164,7 @@ class EngineClient:
             self.submitted.clear()
             received = False
             try:
-                stream = self.engine.stream_outputs.options(
-                    num_returns="streaming", _generator_backpressure_num_objects=OUTPUT_STREAM_AHEAD
-                ).remote(self.client_id)
-                async for batch in stream:
+                async for batch in open_output_stream(self.engine, self.client_id):
                     received = True
                     self._dispatch(await batch)
                     self._drop_orphans()
@@ -220,7 +217,7 @@ class EngineClient:
             self.on_engine_error(error)
             raise unwrap_ray_error(error) from None
         if refusal is not None:
-            self.cancel(request_id)
+            self._forget(request_id)  # never queued there: nothing to abort
             raise refusal
         self.submitted.set()
         self._ensure_pump()
@@ -278,10 +275,14 @@ class EngineClient:
                 self.queues.pop(request_id, None)
                 self.queued_at.pop(request_id, None)
 
+    def _forget(self, request_id: str) -> bool:
+        """Drop the request's queue here; False if it had none (already forgotten)."""
+        self.queued_at.pop(request_id, None)
+        return self.queues.pop(request_id, None) is not None
+
     def cancel(self, request_id: str) -> None:
         """Drop a submitted request nobody will read and abort it in the engine (idempotent, never waits)."""
-        self.queued_at.pop(request_id, None)
-        if self.queues.pop(request_id, None) is None:
+        if not self._forget(request_id):
             return
         self.pending_aborts.add(request_id)
         if self.abort_task is None or self.abort_task.done():

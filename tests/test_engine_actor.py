@@ -10,7 +10,7 @@ import ray
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor
+from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor, open_output_stream
 from executor.executors import EngineDeadError
 
 
@@ -252,12 +252,6 @@ def collect_completions(engine, client_id: str, keys: set[tuple[str, int]], time
     return completions
 
 
-def open_stream(engine, client_id: str, ahead: int = 2):
-    return engine.stream_outputs.options(num_returns="streaming", _generator_backpressure_num_objects=ahead).remote(
-        client_id
-    )
-
-
 def test_output_stream_carries_every_token_and_ends_when_nothing_is_left(engine):
     """The ingress's stream: every token of every request of the client, a batch per step, and the stream ends by
     itself once the client has nothing in flight; another client's requests are not in it."""
@@ -267,7 +261,7 @@ def test_output_stream_carries_every_token_and_ends_when_nothing_is_left(engine)
     tokens: dict[str, list[int]] = {}
     num_batches = 0
     deadline = time.monotonic() + 60
-    for batch_ref in open_stream(engine, "client-s"):
+    for batch_ref in open_output_stream(engine, "client-s"):
         assert time.monotonic() < deadline, "the stream did not end"
         num_batches += 1
         for output in ray.get(batch_ref, timeout=30):
@@ -295,7 +289,7 @@ def test_a_lagging_stream_reader_gets_the_steps_it_missed_in_one_batch(engine):
     next batch, in order, nothing lost."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ray.get(engine.add_request.remote("client-l", "lag", [5, 6, 7], params))
-    stream = open_stream(engine, "client-l", ahead=1)
+    stream = open_output_stream(engine, "client-l", ahead=1)
     first = ray.get(next(stream), timeout=30)
     time.sleep(2.0)  # the engine runs on: ~40 tiny-model steps
     batch_sizes = [sum(len(output.new_token_ids) for output in first)]
@@ -314,9 +308,9 @@ def test_a_newer_stream_of_the_same_client_supersedes_the_older(engine):
     def num_tokens(batch_ref) -> int:
         return sum(len(output.new_token_ids) for output in ray.get(batch_ref, timeout=30))
 
-    older = open_stream(engine, "client-n")
+    older = open_output_stream(engine, "client-n")
     older_tokens = num_tokens(next(older))
-    newer = open_stream(engine, "client-n")
+    newer = open_output_stream(engine, "client-n")
     newer_tokens = num_tokens(next(newer))
     older_rest = list(older)
     assert len(older_rest) <= OUTPUT_STREAM_AHEAD  # only what it had yielded before the newer one started
