@@ -3,7 +3,8 @@
     python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,96,128]
 
 Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
-whole backend call (KV write + attention) on decode batches over shuffled cache blocks. A second table times a
+whole backend call (KV write + attention) on decode batches and prefill chunks over shuffled cache blocks (the
+prefill rows force our kernel past `PREFILL_KERNEL_MAX_KEYS`, to show where SDPA wins). A second table times a
 whole step's linears (SmolLM2's 120 layer matmuls on distinct random weights, so each streams from memory as in
 the model, plus the LM head) on oneDNN's packed GEMM (what the engine runs past `kernel_max_rows`) and on our
 kernel, at each row count: the measurement behind `model_executor.layers.linear.kernel_max_rows`.
@@ -52,6 +53,21 @@ def decode_step(batch_size: int, context: int):
     query = torch.randn(batch_size, HEADS, HEAD_DIM)
     key = torch.randn(batch_size, KV_HEADS, HEAD_DIM)
     kv_cache = torch.randn(2, batch_size * needed, BLOCK, KV_HEADS, HEAD_DIM)
+    return batch, query, key, key.clone(), kv_cache
+
+
+def prefill_step(num_chunks: int, query_len: int, context: int):
+    """num_chunks prompts each adding query_len tokens after `context` cached ones."""
+    seq_len = context + query_len
+    needed = -(-seq_len // BLOCK)
+    order = torch.randperm(num_chunks * needed).tolist()
+    tables = [order[i * needed : (i + 1) * needed] for i in range(num_chunks)]
+    slots = [table[pos // BLOCK] * BLOCK + pos % BLOCK for table in tables for pos in range(context, seq_len)]
+    batch = AttentionBatch([query_len] * num_chunks, [seq_len] * num_chunks, tables, slots, 0)
+    tokens = num_chunks * query_len
+    query = torch.randn(tokens, HEADS, HEAD_DIM)
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(2, num_chunks * needed, BLOCK, KV_HEADS, HEAD_DIM)
     return batch, query, key, key.clone(), kv_cache
 
 
@@ -129,6 +145,18 @@ def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, flo
         rows.append(
             (
                 f"decode attention {batch_size} x ctx {context}",
+                time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
+                time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
+            )
+        )
+    for num_chunks, query_len, context in ((8, 64, 0), (8, 64, 200), (1, 512, 256), (1, 16, 1000), (1, 128, 1000)):
+        batch, query, key, value, kv_cache = prefill_step(num_chunks, query_len, context)
+        reference_metadata = reference.build_metadata(batch, BLOCK, cpu)
+        our_metadata = ours.build_metadata(batch, BLOCK, cpu)
+        our_metadata.prefill.fits_kernel = True
+        rows.append(
+            (
+                f"prefill {num_chunks} x {query_len} after {context}",
                 time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
                 time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
             )

@@ -127,6 +127,108 @@ def test_mixed_batch_and_padding_rows_match_torch_backend() -> None:
     assert torch.isfinite(out).all()
 
 
+def random_prefill_case(
+    generator: torch.Generator,
+    decode_seq_lens: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+):
+    """Decodes, then prefill chunks whose earlier tokens (a cached prefix, or the chunks before) are already in
+    the cache, all over shuffled blocks."""
+    seq_lens = decode_seq_lens + [context + query for context, query in zip(context_lens, query_lens, strict=True)]
+    all_query_lens = [1] * len(decode_seq_lens) + query_lens
+    tables_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = sum(tables_needed) + 2
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables, start = [], 0
+    for needed in tables_needed:
+        block_tables.append(order[start : start + needed])
+        start += needed
+    slot_mapping = [
+        table[position // block_size] * block_size + position % block_size
+        for table, query_len, seq_len in zip(block_tables, all_query_lens, seq_lens, strict=True)
+        for position in range(seq_len - query_len, seq_len)
+    ]
+    batch = AttentionBatch(all_query_lens, seq_lens, block_tables, slot_mapping, len(decode_seq_lens))
+    num_tokens = sum(all_query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    return batch, query, key, value, kv_cache
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window", "dtype"),
+    [
+        (9, 3, 64, 16, None, torch.float32),  # SmolLM2's shape
+        (4, 4, 64, 16, None, torch.float32),
+        (8, 2, 128, 32, None, torch.float32),
+        (4, 1, 32, 5, None, torch.float32),  # key tiles cross blocks of 5
+        (4, 2, 64, 16, 13, torch.float32),  # windows starting inside a block, a key tile and a query tile
+        (6, 2, 48, 16, 40, torch.float32),
+        (6, 2, 18, 16, None, torch.float32),  # no vector path: the SDPA fallback
+        (4, 1, 64, 16, None, torch.bfloat16),  # fp32 kernel only: the SDPA fallback
+    ],
+)
+def test_prefill_attention_matches_torch_backend(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int | None, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
+    # Query tiles of 16 tokens: chunks of 1, 15, 16, 17 and 40 tokens, fresh or after a cached prefix.
+    query_lens = [1, 15, 16, 17, 40, 3, 33]
+    context_lens = [0, 0, 7, 0, 50, block_size, 100]
+    batch, query, key, value, kv_cache = random_prefill_case(
+        generator, [9, 30], query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    reference = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    ours = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    reference_cache, our_cache = kv_cache.clone(), kv_cache.clone()
+    metadata = ours.build_metadata(batch, block_size, CPU)
+    assert metadata.prefill.fits_kernel  # every chunk here is short enough for the kernel
+    expected = reference.forward(query, key, value, reference_cache, reference.build_metadata(batch, block_size, CPU))
+    actual = ours.forward(query, key, value, our_cache, metadata)
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(our_cache, reference_cache)
+
+
+def test_prefill_chunks_past_the_kernel_key_limit_take_sdpa_and_match() -> None:
+    """A chunk after a long cached prefix sends the whole step's prefill to SDPA, short chunks included."""
+    from cuda_ext.attention.cpu_backend import PREFILL_KERNEL_MAX_KEYS
+
+    generator = torch.Generator().manual_seed(11)
+    batch, query, key, value, kv_cache = random_prefill_case(
+        generator, [40], [20, 5], [PREFILL_KERNEL_MAX_KEYS, 3], 9, 3, 64, 16, torch.float32
+    )
+    reference, ours = TorchAttentionBackend(9, 3, 64), CpuAttentionBackend(9, 3, 64)
+    metadata = ours.build_metadata(batch, 16, CPU)
+    assert not metadata.prefill.fits_kernel
+    expected = reference.forward(query, key, value, kv_cache.clone(), reference.build_metadata(batch, 16, CPU))
+    actual = ours.forward(query, key, value, kv_cache.clone(), metadata)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_attention_rejects_what_it_cannot_read() -> None:
+    ops = load_cpu_ops()
+    cache = torch.zeros(2, 4, 16, 1, 16)
+    query, output = torch.zeros(5, 2, 16), torch.zeros(5, 2, 16)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    starts = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block table is too short"):
+        ops.paged_prefill_attention(
+            output, query, cache[0], cache[1], tables, starts, torch.tensor([17], dtype=torch.int32), 1.0, 0
+        )
+    with pytest.raises(RuntimeError, match=r"1 \.\. seq_len query tokens"):
+        ops.paged_prefill_attention(
+            output, query, cache[0], cache[1], tables, starts, torch.tensor([4], dtype=torch.int32), 1.0, 0
+        )
+
+
 def test_kv_write_rejects_a_slot_outside_the_cache() -> None:
     ops = load_cpu_ops()
     cache = torch.zeros(2, 2, 4, 1, 16)

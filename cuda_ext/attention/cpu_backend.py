@@ -1,19 +1,27 @@
 """Paged attention on CPU with our C++ kernels: the default CPU backend when they compile.
 
-Decodes (one query token each) run `paged_decode_attention`, which reads every request's KV blocks in place;
-prefill chunks keep the torch backend's padded-group SDPA (compute-bound, where a GEMM wins). The KV write is
-one C++ call per layer.
+Decodes (one query token each) run `paged_decode_attention`, prefill chunks `paged_prefill_attention`; both read
+every request's KV blocks in place. Prefill chunks of other dtypes or head sizes keep the torch backend's
+padded-group SDPA. The KV write is one C++ call per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.torch_backend import PaddedGroup, TorchAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
+
+# Prefill chunks with up to this many keys (cached prefix plus chunk) run our kernel, longer ones SDPA: per layer,
+# SmolLM2's heads on 2 Intel cores (the prefill rows of `benchmarks/bench_cpu_kernels.py`), 8 fresh prompts of 64
+# tokens 0.62 vs 1.03 ms (SDPA pads, gathers and masks), but 8 x 64 after 200 cached 2.8 vs 2.4 ms and 128 after
+# 1,000 cached 3.0 vs 2.4 ms: over long key runs SDPA's GEMM tiles beat our flash loop.
+PREFILL_KERNEL_MAX_KEYS = 256
+# The kernel's cache row offsets are 32-bit.
+PREFILL_KERNEL_MAX_CACHE_ELEMENTS = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -22,7 +30,20 @@ class CpuAttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor | None  # [decodes] int32
-    prefill_group: PaddedGroup | None
+    prefill: PrefillChunks | None
+
+
+@dataclass(slots=True)
+class PrefillChunks:
+    """The step's prefill chunks (after its decodes), as the C++ kernel reads them."""
+
+    batch: AttentionBatch
+    block_size: int
+    block_tables: torch.Tensor  # [chunks, max_blocks] int32
+    query_starts: torch.Tensor  # [chunks + 1] int32, rows into the chunks' tokens
+    seq_lens: torch.Tensor  # [chunks] int32: cached keys plus the chunk's own
+    fits_kernel: bool  # no chunk has more than PREFILL_KERNEL_MAX_KEYS keys
+    padded_group: PaddedGroup | None = field(default=None)  # built on first use, for the SDPA fallback
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -34,6 +55,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if ops is None:
             raise RuntimeError("the cpu attention backend needs the C++ CPU kernels, which did not build")
         self.ops = ops
+        # The kernel's vector path holds whole head rows in registers; other head sizes take SDPA.
+        self.prefill_kernel_head_dim = head_dim % ops.vector_lanes == 0
 
     def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> CpuAttentionMetadata:
         num_decodes = batch.num_decodes
@@ -45,13 +68,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
             rows = [table[:n] + [0] * (width - n) for table, n in zip(batch.block_tables, needed, strict=False)]
             decode_tables = torch.tensor(rows, dtype=torch.int32)
             decode_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        prefill_group = None
+        prefill = None
         if num_decodes < len(batch.query_lens):
-            prefill_group = self._build_group(
-                batch, num_decodes, len(batch.query_lens), num_decodes, block_size, device
-            )
+            prefill = self._prefill_chunks(batch, block_size)
         slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64)
-        return CpuAttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefill_group)
+        return CpuAttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefill)
+
+    def _prefill_chunks(self, batch: AttentionBatch, block_size: int) -> PrefillChunks:
+        first = batch.num_decodes
+        seq_lens = batch.seq_lens[first:]
+        needed = [-(-seq_len // block_size) for seq_len in seq_lens]
+        width = max(needed)
+        rows = [table[:n] + [0] * (width - n) for table, n in zip(batch.block_tables[first:], needed, strict=True)]
+        query_starts = [0]
+        for query_len in batch.query_lens[first:]:
+            query_starts.append(query_starts[-1] + query_len)
+        return PrefillChunks(
+            batch,
+            block_size,
+            torch.tensor(rows, dtype=torch.int32),
+            torch.tensor(query_starts, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            max(seq_lens) <= PREFILL_KERNEL_MAX_KEYS,
+        )
 
     def build_decode_metadata(
         self, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
@@ -87,9 +126,35 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 self.scale,
                 self.sliding_window or 0,
             )
-        group = metadata.prefill_group
-        if group is not None:
-            output[group.token_start : group.token_end] = self._attend_group(
-                query[group.token_start : group.token_end].contiguous(), kv_cache, group
+        prefill = metadata.prefill
+        if prefill is None:
+            return output
+        if (
+            prefill.fits_kernel
+            and self.prefill_kernel_head_dim
+            and query.dtype == torch.float32
+            and kv_cache[0].numel() <= PREFILL_KERNEL_MAX_CACHE_ELEMENTS
+        ):
+            prefill_query = query[num_decodes:]
+            self.ops.paged_prefill_attention(
+                output[num_decodes:].view(prefill_query.shape),
+                prefill_query if prefill_query.stride(1) == self.head_dim else prefill_query.contiguous(),
+                kv_cache[0],
+                kv_cache[1],
+                prefill.block_tables,
+                prefill.query_starts,
+                prefill.seq_lens,
+                self.scale,
+                self.sliding_window or 0,
             )
+            return output
+        group = prefill.padded_group
+        if group is None:
+            batch = prefill.batch
+            group = prefill.padded_group = self._build_group(
+                batch, num_decodes, len(batch.query_lens), num_decodes, prefill.block_size, query.device
+            )
+        output[group.token_start : group.token_end] = self._attend_group(
+            query[group.token_start : group.token_end].contiguous(), kv_cache, group
+        )
         return output

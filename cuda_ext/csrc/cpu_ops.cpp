@@ -101,8 +101,18 @@ inline void store_lanes(float* target, Lanes lanes) {
   std::memcpy(target, &lanes, sizeof(lanes));
 }
 
+// The ISA's splat, not `Lanes{} + value`: an add of +0 is no identity for -0.f, so the compiler must keep it (an
+// xor, an add and a broadcast where one FMA with a broadcast memory operand would do).
 inline Lanes broadcast(float value) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(value);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(value);
+#elif defined(__SSE__)
+  return _mm_set1_ps(value);
+#else
   return Lanes{} + value;
+#endif
 }
 
 // A shuffle tree, not a serial chain of lane adds (the compiler may not reorder float adds itself).
@@ -427,6 +437,199 @@ void decode_attention_kernel(
   });
 }
 
+// Query tokens per prefill work item: with GQA their query heads make group * kPrefillTile rows that share every
+// key and value row read (the decode kernel reads a request's keys once per query head).
+constexpr int64_t kPrefillTile = 16;
+// Query rows scored and accumulated together: each key or value vector is loaded once for all of them.
+constexpr int64_t kRowBlock = 4;
+
+inline float max_lanes(Lanes lanes) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(lanes);
+#else
+  float max = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) {
+    max = std::max(max, lanes[i]);
+  }
+  return max;
+#endif
+}
+
+// Prefill chunks (fp32, head_dim a multiple of kLanes) over the paged cache, their own new keys included (written
+// first): flash-style, a tile of kLanes keys at a time with an online softmax, so no score matrix, gathered copy
+// of the cache or mask tensor is ever built. One work item per (request, tile of query tokens, KV head).
+void prefill_attention_kernel(
+    const float* query,
+    const float* key_cache,
+    const float* value_cache,
+    float* output,
+    const int32_t* block_tables,
+    const int32_t* query_starts,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t block_size,
+    int64_t max_blocks,
+    int64_t query_stride,
+    int64_t output_stride,
+    int64_t cache_block_stride,
+    int64_t cache_token_stride,
+    float scale,
+    int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_rows = kPrefillTile * group;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (request, its first query token in the tile)
+  int64_t total_work = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_starts[seq + 1] - query_starts[seq];
+    const int64_t context = seq_lens[seq] - query_len;
+    for (int64_t first = 0; first < query_len; first += kPrefillTile) {
+      tiles.emplace_back(seq, first);
+      const int64_t keys = context + std::min(query_len, first + kPrefillTile);
+      total_work += std::min(kPrefillTile, query_len - first) * group * keys * head_dim * 2;
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  if (num_items == 0) {
+    return;
+  }
+  const IntLanes lane_index = [] {
+    IntLanes lanes;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      lanes[i] = static_cast<int32_t>(i);
+    }
+    return lanes;
+  }();
+  const Lanes minus_infinity = broadcast(-std::numeric_limits<float>::infinity());
+  parallel_claims(num_items, total_work / num_items, 1, [&](int64_t begin, int64_t end) {
+    // Keys of the current tile transposed (a row of kLanes keys per dimension); each row's probabilities; the
+    // running softmax max, sum and output of every query row of the item.
+    // Room for a whole kRowBlock past an item's last row: row blocks run whole, the extra rows scored and
+    // accumulated but never read.
+    const int64_t padded_rows = max_rows + kRowBlock;
+    std::vector<float> keys_t(head_dim * kLanes), probabilities(padded_rows * kLanes, 0.f);
+    std::vector<float> row_max(max_rows), row_sum(max_rows), accumulators(padded_rows * head_dim, 0.f);
+    std::vector<const float*> query_rows(padded_rows);
+    const float* value_rows[kLanes];
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [seq, tile_first] = tiles[item / num_kv_heads];
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t query_len = query_starts[seq + 1] - query_starts[seq];
+      const int64_t num_tokens = std::min(kPrefillTile, query_len - tile_first);
+      const int64_t num_rows = num_tokens * group;
+      const int64_t first_position = seq_lens[seq] - query_len + tile_first;
+      const int64_t last_position = first_position + num_tokens - 1;
+      const int64_t lowest_key = sliding_window > 0 ? std::max<int64_t>(0, first_position - sliding_window + 1) : 0;
+      const int32_t* table = block_tables + seq * max_blocks;
+      const int64_t kv_offset = kv_head * head_dim;
+      // Row r: token r / group of the tile, query head kv_head * group + r % group.
+      for (int64_t row = 0; row < num_rows; ++row) {
+        const int64_t token = query_starts[seq] + tile_first + row / group;
+        query_rows[row] = query + token * query_stride + (kv_head * group + row % group) * head_dim;
+      }
+      for (int64_t row = num_rows; row < num_rows + kRowBlock; ++row) {
+        query_rows[row] = query_rows[0];
+      }
+      std::fill(row_max.begin(), row_max.begin() + num_rows, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + num_rows, 0.f);
+      std::fill(accumulators.begin(), accumulators.begin() + num_rows * head_dim, 0.f);
+      for (int64_t first_key = lowest_key; first_key <= last_position; first_key += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, last_position + 1 - first_key);
+        alignas(64) int32_t row_offsets[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) {
+          // Lanes past the last key read the first one again; their scores are masked.
+          const int64_t key = first_key + (i < count ? i : 0);
+          const int64_t row_offset = table[key / block_size] * cache_block_stride +
+                                     (key % block_size) * cache_token_stride + kv_offset;
+          row_offsets[i] = static_cast<int32_t>(row_offset);
+          value_rows[i] = value_cache + row_offset;
+        }
+#if defined(__AVX512F__)
+        // One gather per dimension transposes the tile: kLanes rows, each in its own cache block.
+        const __m512i gather_offsets = _mm512_load_si512(row_offsets);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          _mm512_storeu_ps(keys_t.data() + d * kLanes, _mm512_i32gather_ps(gather_offsets, key_cache + d, 4));
+        }
+#else
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const float* key_row = key_cache + row_offsets[i];
+          for (int64_t d = 0; d < head_dim; ++d) {
+            keys_t[d * kLanes + i] = key_row[d];
+          }
+        }
+#endif
+        const IntLanes key_index = lane_index + static_cast<int32_t>(first_key);
+        for (int64_t row0 = 0; row0 < num_rows; row0 += kRowBlock) {
+          const float* const* rows = query_rows.data() + row0;
+          Lanes scores[kRowBlock] = {};
+          for (int64_t d = 0; d < head_dim; ++d) {
+            const Lanes keys_d = load_lanes(keys_t.data() + d * kLanes);
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              scores[b] += broadcast(rows[b][d]) * keys_d;
+            }
+          }
+          for (int64_t b = 0; b < kRowBlock && row0 + b < num_rows; ++b) {
+            const int64_t row = row0 + b;
+            const int32_t position = static_cast<int32_t>(first_position + row / group);
+            const int32_t lowest = sliding_window > 0 ? position - static_cast<int32_t>(sliding_window) + 1 : 0;
+            const IntLanes valid =
+                (key_index <= position) & (key_index >= lowest) & (lane_index < static_cast<int32_t>(count));
+            const Lanes masked = valid ? scores[b] * scale : minus_infinity;
+            const float tile_max = max_lanes(masked);
+            float* row_probabilities = probabilities.data() + row * kLanes;
+            if (tile_max == -std::numeric_limits<float>::infinity()) {
+              store_lanes(row_probabilities, Lanes{});  // every key of the tile is after this query (or out of window)
+              continue;
+            }
+            const float new_max = std::max(row_max[row], tile_max);
+            const float correction = std::exp(row_max[row] - new_max);
+            const Lanes weights = valid ? exp_lanes(masked - new_max) : Lanes{};
+            store_lanes(row_probabilities, weights);
+            row_sum[row] = row_sum[row] * correction + sum_lanes(weights);
+            row_max[row] = new_max;
+            if (correction != 1.f) {
+              float* accumulator = accumulators.data() + row * head_dim;
+              for (int64_t d = 0; d < head_dim; d += kLanes) {
+                store_lanes(accumulator + d, load_lanes(accumulator + d) * correction);
+              }
+            }
+          }
+        }
+        for (int64_t row0 = 0; row0 < num_rows; row0 += kRowBlock) {
+          const float* weights = probabilities.data() + row0 * kLanes;
+          float* block_accumulators = accumulators.data() + row0 * head_dim;
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            Lanes sums[kRowBlock];
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              sums[b] = load_lanes(block_accumulators + b * head_dim + d);
+            }
+            for (int64_t i = 0; i < count; ++i) {
+              const Lanes value = load_lanes(value_rows[i] + d);
+              for (int64_t b = 0; b < kRowBlock; ++b) {
+                sums[b] += broadcast(weights[b * kLanes + i]) * value;
+              }
+            }
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              store_lanes(block_accumulators + b * head_dim + d, sums[b]);
+            }
+          }
+        }
+      }
+      for (int64_t row = 0; row < num_rows; ++row) {
+        const int64_t token = query_starts[seq] + tile_first + row / group;
+        float* out = output + token * output_stride + (kv_head * group + row % group) * head_dim;
+        const float* accumulator = accumulators.data() + row * head_dim;
+        const Lanes inverse_sum = broadcast(1.f / row_sum[row]);
+        for (int64_t d = 0; d < head_dim; d += kLanes) {
+          store_lanes(out + d, load_lanes(accumulator + d) * inverse_sum);
+        }
+      }
+    }
+  });
+}
+
 template <typename scalar_t>
 inline void silu_and_mul_row(scalar_t* out, const scalar_t* gate, const scalar_t* up, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
@@ -692,6 +895,67 @@ void paged_decode_attention(
         static_cast<float>(scale),
         sliding_window);
   });
+}
+
+// Prefill chunks over the paged cache, fp32 with head_dim a multiple of vector_lanes. query and output
+// [tokens, heads, head_dim]: the chunks' tokens, request i's at rows query_starts[i] .. query_starts[i + 1];
+// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32: cached keys plus the chunk's own, whose keys and
+// values must be in the cache already (reshape_and_cache first).
+void paged_prefill_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& query_starts,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window) {
+  check_rows(query, "query");
+  check_rows(output, "output");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && output.scalar_type() == torch::kFloat32, "fp32 only");
+  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32, "fp32 cache only");
+  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [tokens, heads, dim]");
+  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
+  TORCH_CHECK(query.size(2) % kLanes == 0 && query.size(2) <= kMaxHeadDim, "head_dim must be a multiple of ", kLanes);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
+  TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(), "cache above 2^31 floats");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && query_starts.size(0) == num_seqs + 1, "one table per request");
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0), "query_starts must cover the query rows");
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK(query_len >= 1 && query_len <= lens[seq], "each request needs 1 .. seq_len query tokens");
+    TORCH_CHECK(lens[seq] <= block_tables.size(1) * key_cache.size(1), "a block table is too short");
+  }
+  prefill_attention_kernel(
+      query.data_ptr<float>(),
+      key_cache.data_ptr<float>(),
+      value_cache.data_ptr<float>(),
+      output.data_ptr<float>(),
+      block_tables.data_ptr<int32_t>(),
+      starts,
+      lens,
+      num_seqs,
+      query.size(1),
+      key_cache.size(2),
+      query.size(2),
+      key_cache.size(1),
+      block_tables.size(1),
+      query.stride(0),
+      output.stride(0),
+      key_cache.stride(0),
+      key_cache.stride(1),
+      static_cast<float>(scale),
+      sliding_window);
 }
 
 // key/value [tokens, kv_heads, head_dim] into caches [blocks, block_size, kv_heads, head_dim] at flat slots;
@@ -1008,6 +1272,9 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention over the KV cache");
+  // Without the GIL: the worker's other threads (Ray's RPC) go on meanwhile.
+  module.def("paged_prefill_attention", &paged_prefill_attention, "Paged prefill attention over the KV cache",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("reshape_and_cache", &reshape_and_cache, "Write new keys and values into the paged cache");
   module.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
