@@ -23,6 +23,19 @@ CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
 
 
+def shuffled_block_tables(
+    generator: torch.Generator, tables_needed: list[int], spare: int
+) -> tuple[int, list[list[int]]]:
+    """(cache size in blocks, one table per request) with every request's blocks scattered over the cache."""
+    num_blocks = sum(tables_needed) + spare
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables, start = [], 0
+    for needed in tables_needed:
+        block_tables.append(order[start : start + needed])
+        start += needed
+    return num_blocks, block_tables
+
+
 def random_decode_case(
     generator: torch.Generator,
     seq_lens: list[int],
@@ -33,13 +46,9 @@ def random_decode_case(
     dtype: torch.dtype,
 ):
     """A decode batch over shuffled, non-contiguous blocks, with spare blocks at the end of some tables."""
-    tables_needed = [-(-seq_len // block_size) + 1 for seq_len in seq_lens]
-    num_blocks = sum(tables_needed) + 3
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    block_tables, start = [], 0
-    for needed in tables_needed:
-        block_tables.append(order[start : start + needed])
-        start += needed
+    num_blocks, block_tables = shuffled_block_tables(
+        generator, [-(-seq_len // block_size) + 1 for seq_len in seq_lens], spare=3
+    )
     slot_mapping = [
         table[(seq_len - 1) // block_size] * block_size + (seq_len - 1) % block_size
         for table, seq_len in zip(block_tables, seq_lens, strict=True)
@@ -142,13 +151,9 @@ def random_prefill_case(
     the cache, all over shuffled blocks."""
     seq_lens = decode_seq_lens + [context + query for context, query in zip(context_lens, query_lens, strict=True)]
     all_query_lens = [1] * len(decode_seq_lens) + query_lens
-    tables_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
-    num_blocks = sum(tables_needed) + 2
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    block_tables, start = [], 0
-    for needed in tables_needed:
-        block_tables.append(order[start : start + needed])
-        start += needed
+    num_blocks, block_tables = shuffled_block_tables(
+        generator, [-(-seq_len // block_size) for seq_len in seq_lens], spare=2
+    )
     slot_mapping = [
         table[position // block_size] * block_size + position % block_size
         for table, query_len, seq_len in zip(block_tables, all_query_lens, seq_lens, strict=True)

@@ -848,6 +848,28 @@ void check_rows(const torch::Tensor& tensor, const char* name) {
   TORCH_CHECK(tensor.stride(-1) == 1, name, " must have contiguous rows");
 }
 
+// What both paged attention entry points read: query and output [rows, heads, head_dim] with contiguous heads,
+// matching paged caches of the query's dtype, int32 block tables and sequence lengths.
+void check_paged_attention_inputs(
+    const torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens) {
+  check_rows(query, "query");
+  check_rows(output, "output");
+  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [rows, heads, dim]");
+  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "cache and query dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+}
+
 }  // namespace
 
 // query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
@@ -861,18 +883,8 @@ void paged_decode_attention(
     const torch::Tensor& seq_lens,
     double scale,
     int64_t sliding_window) {
-  check_rows(query, "query");
-  check_rows(output, "output");
-  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [seqs, heads, dim]");
-  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
-  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "cache and query dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
   const int64_t num_seqs = query.size(0);
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per seq");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_kernel<scalar_t>(
@@ -911,21 +923,12 @@ void paged_prefill_attention(
     const torch::Tensor& seq_lens,
     double scale,
     int64_t sliding_window) {
-  check_rows(query, "query");
-  check_rows(output, "output");
+  check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && output.scalar_type() == torch::kFloat32, "fp32 only");
-  TORCH_CHECK(key_cache.scalar_type() == torch::kFloat32, "fp32 cache only");
-  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [tokens, heads, dim]");
-  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
-  TORCH_CHECK(query.size(2) % kLanes == 0 && query.size(2) <= kMaxHeadDim, "head_dim must be a multiple of ", kLanes);
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
-  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
   // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
   TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(), "cache above 2^31 floats");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
   TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs && query_starts.size(0) == num_seqs + 1, "one table per request");
   const int32_t* starts = query_starts.data_ptr<int32_t>();
