@@ -272,8 +272,7 @@ class EngineClient:
             if num_unfinished:
                 self.cancel(request_id)
             else:
-                self.queues.pop(request_id, None)
-                self.queued_at.pop(request_id, None)
+                self._forget(request_id)
 
     def _forget(self, request_id: str) -> bool:
         """Drop the request's queue here; False if it had none (already forgotten)."""
