@@ -347,31 +347,38 @@ inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
   }
 }
 
+// Where a paged KV cache keeps each request's token rows: key and value caches [blocks, block_size, kv_heads,
+// head_dim] with the same strides, and block_tables [requests, max_blocks].
+template <typename scalar_t>
+struct PagedCache {
+  const scalar_t* keys;
+  const scalar_t* values;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  int64_t block_size;
+  int64_t block_stride;
+  int64_t token_stride;
+};
+
 template <typename scalar_t>
 void decode_attention_kernel(
     const scalar_t* query,
-    const scalar_t* key_cache,
-    const scalar_t* value_cache,
+    const PagedCache<scalar_t>& cache,
     scalar_t* output,
-    const int32_t* block_tables,
     const int32_t* seq_lens,
     int64_t num_seqs,
     int64_t num_heads,
     int64_t num_kv_heads,
     int64_t head_dim,
-    int64_t block_size,
-    int64_t max_blocks,
     int64_t query_stride,
     int64_t output_stride,
-    int64_t cache_block_stride,
-    int64_t cache_token_stride,
     float scale,
     int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
   // One work item per (request, head), a request's heads next to each other: a head's query and accumulator
   // stay in registers, and the request's keys and values come from memory for its first head and from L2 for
   // the others. Items rather than requests, so one long request still spreads over the threads.
-  const int64_t work_per_head = max_blocks * block_size * head_dim * 2;
+  const int64_t work_per_head = cache.max_blocks * cache.block_size * head_dim * 2;
   AttendHeadLanes attend_lanes = nullptr;
   if constexpr (std::is_same_v<scalar_t, float>) {
     attend_lanes = attend_head_lanes_for(head_dim);
@@ -386,17 +393,17 @@ void decode_attention_kernel(
       const int64_t seq_len = seq_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t num_keys = seq_len - first;
-      const int32_t* table = block_tables + seq * max_blocks;
+      const int32_t* table = cache.block_tables + seq * cache.max_blocks;
       scores.resize(num_keys + kKeyTile);
       const int64_t kv_offset = (head / group) * head_dim;
       const scalar_t* head_query = query + seq * query_stride + head * head_dim;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (attend_lanes != nullptr) {
           const CacheRowCursor keys{
-              key_cache + kv_offset, table, block_size, cache_block_stride, cache_token_stride,
-              first / block_size, first % block_size};
+              cache.keys + kv_offset, table, cache.block_size, cache.block_stride, cache.token_stride,
+              first / cache.block_size, first % cache.block_size};
           CacheRowCursor values = keys;
-          values.cache = value_cache + kv_offset;
+          values.cache = cache.values + kv_offset;
           attend_lanes(
               head_query, scale, keys, values, num_keys, scores.data(), output + seq * output_stride + head * head_dim);
           continue;
@@ -407,12 +414,12 @@ void decode_attention_kernel(
       }
       float max_score = -std::numeric_limits<float>::infinity();
       // Walk block by block: no integer division per key.
-      for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
-        const int64_t offset = key == 0 ? first % block_size : 0;
-        const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+      for (int64_t block = first / cache.block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % cache.block_size : 0;
+        const int64_t count = std::min<int64_t>(cache.block_size - offset, num_keys - key);
         const scalar_t* key_row =
-            key_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
-        for (int64_t i = 0; i < count; ++i, ++key, key_row += cache_token_stride) {
+            cache.keys + table[block] * cache.block_stride + offset * cache.token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, key_row += cache.token_stride) {
           const float dot = dot_row<scalar_t>(scaled_query, key_row, head_dim);
           scores[key] = dot;
           max_score = std::max(max_score, dot);
@@ -420,12 +427,12 @@ void decode_attention_kernel(
       }
       const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
       std::fill(accumulator, accumulator + head_dim, 0.f);
-      for (int64_t block = first / block_size, key = 0; key < num_keys; ++block) {
-        const int64_t offset = key == 0 ? first % block_size : 0;
-        const int64_t count = std::min<int64_t>(block_size - offset, num_keys - key);
+      for (int64_t block = first / cache.block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % cache.block_size : 0;
+        const int64_t count = std::min<int64_t>(cache.block_size - offset, num_keys - key);
         const scalar_t* value_row =
-            value_cache + table[block] * cache_block_stride + offset * cache_token_stride + kv_offset;
-        for (int64_t i = 0; i < count; ++i, ++key, value_row += cache_token_stride) {
+            cache.values + table[block] * cache.block_stride + offset * cache.token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, value_row += cache.token_stride) {
           add_scaled_row<scalar_t>(accumulator, scores[key], value_row, head_dim);
         }
       }
@@ -460,22 +467,16 @@ inline float max_lanes(Lanes lanes) {
 // of the cache or mask tensor is ever built. One work item per (request, tile of query tokens, KV head).
 void prefill_attention_kernel(
     const float* query,
-    const float* key_cache,
-    const float* value_cache,
+    const PagedCache<float>& cache,
     float* output,
-    const int32_t* block_tables,
     const int32_t* query_starts,
     const int32_t* seq_lens,
     int64_t num_seqs,
     int64_t num_heads,
     int64_t num_kv_heads,
     int64_t head_dim,
-    int64_t block_size,
-    int64_t max_blocks,
     int64_t query_stride,
     int64_t output_stride,
-    int64_t cache_block_stride,
-    int64_t cache_token_stride,
     float scale,
     int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
@@ -522,7 +523,7 @@ void prefill_attention_kernel(
       const int64_t first_position = seq_lens[seq] - query_len + tile_first;
       const int64_t last_position = first_position + num_tokens - 1;
       const int64_t lowest_key = sliding_window > 0 ? std::max<int64_t>(0, first_position - sliding_window + 1) : 0;
-      const int32_t* table = block_tables + seq * max_blocks;
+      const int32_t* table = cache.block_tables + seq * cache.max_blocks;
       const int64_t kv_offset = kv_head * head_dim;
       // Row r: token r / group of the tile, query head kv_head * group + r % group.
       for (int64_t row = 0; row < num_rows; ++row) {
@@ -541,20 +542,20 @@ void prefill_attention_kernel(
         for (int64_t i = 0; i < kLanes; ++i) {
           // Lanes past the last key read the first one again; their scores are masked.
           const int64_t key = first_key + (i < count ? i : 0);
-          const int64_t row_offset = table[key / block_size] * cache_block_stride +
-                                     (key % block_size) * cache_token_stride + kv_offset;
+          const int64_t row_offset = table[key / cache.block_size] * cache.block_stride +
+                                     (key % cache.block_size) * cache.token_stride + kv_offset;
           row_offsets[i] = static_cast<int32_t>(row_offset);
-          value_rows[i] = value_cache + row_offset;
+          value_rows[i] = cache.values + row_offset;
         }
 #if defined(__AVX512F__)
         // One gather per dimension transposes the tile: kLanes rows, each in its own cache block.
         const __m512i gather_offsets = _mm512_load_si512(row_offsets);
         for (int64_t d = 0; d < head_dim; ++d) {
-          _mm512_storeu_ps(keys_t.data() + d * kLanes, _mm512_i32gather_ps(gather_offsets, key_cache + d, 4));
+          _mm512_storeu_ps(keys_t.data() + d * kLanes, _mm512_i32gather_ps(gather_offsets, cache.keys + d, 4));
         }
 #else
         for (int64_t i = 0; i < kLanes; ++i) {
-          const float* key_row = key_cache + row_offsets[i];
+          const float* key_row = cache.keys + row_offsets[i];
           for (int64_t d = 0; d < head_dim; ++d) {
             keys_t[d * kLanes + i] = key_row[d];
           }
@@ -870,6 +871,13 @@ void check_paged_attention_inputs(
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
 }
 
+template <typename scalar_t>
+PagedCache<scalar_t> paged_cache(
+    const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& block_tables) {
+  return {key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+          block_tables.size(1), key_cache.size(1), key_cache.stride(0), key_cache.stride(1)};
+}
+
 }  // namespace
 
 // query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
@@ -889,21 +897,15 @@ void paged_decode_attention(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_kernel<scalar_t>(
         query.data_ptr<scalar_t>(),
-        key_cache.data_ptr<scalar_t>(),
-        value_cache.data_ptr<scalar_t>(),
+        paged_cache<scalar_t>(key_cache, value_cache, block_tables),
         output.data_ptr<scalar_t>(),
-        block_tables.data_ptr<int32_t>(),
         seq_lens.data_ptr<int32_t>(),
         num_seqs,
         query.size(1),
         key_cache.size(2),
         query.size(2),
-        key_cache.size(1),
-        block_tables.size(1),
         query.stride(0),
         output.stride(0),
-        key_cache.stride(0),
-        key_cache.stride(1),
         static_cast<float>(scale),
         sliding_window);
   });
@@ -941,22 +943,16 @@ void paged_prefill_attention(
   }
   prefill_attention_kernel(
       query.data_ptr<float>(),
-      key_cache.data_ptr<float>(),
-      value_cache.data_ptr<float>(),
+      paged_cache<float>(key_cache, value_cache, block_tables),
       output.data_ptr<float>(),
-      block_tables.data_ptr<int32_t>(),
       starts,
       lens,
       num_seqs,
       query.size(1),
       key_cache.size(2),
       query.size(2),
-      key_cache.size(1),
-      block_tables.size(1),
       query.stride(0),
       output.stride(0),
-      key_cache.stride(0),
-      key_cache.stride(1),
       static_cast<float>(scale),
       sliding_window);
 }
@@ -1198,10 +1194,10 @@ class DecodeStack {
           std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size * sizeof(float));
         }
       }
-      decode_attention_kernel<float>(qkv_.data(), key_cache, value_cache, attended_.data(),
-                                     block_tables.data_ptr<int32_t>(), lens, num_tokens, num_heads_, num_kv_heads_,
-                                     head_dim_, block_size, width, qkv_rows, q_size, cache.stride(1), cache.stride(2),
-                                     scale_, sliding_window_);
+      const PagedCache<float> paged{key_cache, value_cache, block_tables.data_ptr<int32_t>(),
+                                    width, block_size, cache.stride(1), cache.stride(2)};
+      decode_attention_kernel<float>(qkv_.data(), paged, attended_.data(), lens, num_tokens, num_heads_,
+                                     num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, sliding_window_);
       project(layer.o, layer.o_bias, attended_.data(), q_size, num_tokens, x, hidden_);
 
       for (int64_t token = 0; token < num_tokens; ++token) {
