@@ -1,13 +1,14 @@
 """Paged attention on CPU with our C++ kernels: the default CPU backend when they compile.
 
 Decodes (one query token each) run `paged_decode_attention`, prefill chunks `paged_prefill_attention`; both read
-every request's KV blocks in place. Prefill chunks of other dtypes or head sizes keep the torch backend's
-padded-group SDPA. The KV write is one C++ call per layer.
+every request's KV blocks in place. Steps with a prefill chunk past PREFILL_KERNEL_MAX_KEYS keys, and other dtypes
+or head sizes, keep the torch backend's padded-group SDPA for their prefill chunks. The KV write is one C++ call per
+layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +44,15 @@ class PrefillChunks:
     query_starts: torch.Tensor  # [chunks + 1] int32, rows into the chunks' tokens
     seq_lens: torch.Tensor  # [chunks] int32: cached keys plus the chunk's own
     fits_kernel: bool  # no chunk has more than PREFILL_KERNEL_MAX_KEYS keys
-    padded_group: PaddedGroup | None = field(default=None)  # built on first use, for the SDPA fallback
+    padded_group: PaddedGroup | None = None  # built on first use, for the SDPA fallback
+
+
+def padded_block_tables(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """[requests, max blocks] int32: each request's blocks that hold its seq_len keys, then block 0 as padding."""
+    needed = [-(-seq_len // block_size) for seq_len in seq_lens]
+    width = max(needed)
+    rows = [table[:n] + [0] * (width - n) for table, n in zip(block_tables, needed, strict=True)]
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -63,10 +72,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         decode_tables = decode_lens = None
         if num_decodes:
             seq_lens = batch.seq_lens[:num_decodes]
-            needed = [-(-seq_len // block_size) for seq_len in seq_lens]
-            width = max(needed)
-            rows = [table[:n] + [0] * (width - n) for table, n in zip(batch.block_tables, needed, strict=False)]
-            decode_tables = torch.tensor(rows, dtype=torch.int32)
+            decode_tables = padded_block_tables(batch.block_tables[:num_decodes], seq_lens, block_size)
             decode_lens = torch.tensor(seq_lens, dtype=torch.int32)
         prefill = None
         if num_decodes < len(batch.query_lens):
@@ -77,16 +83,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefill_chunks(self, batch: AttentionBatch, block_size: int) -> PrefillChunks:
         first = batch.num_decodes
         seq_lens = batch.seq_lens[first:]
-        needed = [-(-seq_len // block_size) for seq_len in seq_lens]
-        width = max(needed)
-        rows = [table[:n] + [0] * (width - n) for table, n in zip(batch.block_tables[first:], needed, strict=True)]
         query_starts = [0]
         for query_len in batch.query_lens[first:]:
             query_starts.append(query_starts[-1] + query_len)
         return PrefillChunks(
             batch,
             block_size,
-            torch.tensor(rows, dtype=torch.int32),
+            padded_block_tables(batch.block_tables[first:], seq_lens, block_size),
             torch.tensor(query_starts, dtype=torch.int32),
             torch.tensor(seq_lens, dtype=torch.int32),
             max(seq_lens) <= PREFILL_KERNEL_MAX_KEYS,
