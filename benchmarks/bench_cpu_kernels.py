@@ -7,7 +7,7 @@ whole backend call (KV write + attention) on decode batches and prefill chunks o
 prefill rows force our kernel past `PREFILL_KERNEL_MAX_KEYS`, to show where SDPA wins). A second table times a
 whole step's linears (SmolLM2's 120 layer matmuls on distinct random weights, so each streams from memory as in
 the model, plus the LM head) on oneDNN's packed GEMM (what the engine runs past `kernel_max_rows`) and on our
-kernel, at each row count: the measurement behind `model_executor.layers.linear.kernel_max_rows`.
+kernel, at each row count: what `cuda_ext.linear_crossover` measures (on fewer layers) at set-up.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
-from model_executor.layers.linear import PACKING_BATCH_HINT
+from cuda_ext.linear_crossover import STEP_LINEAR_SHAPES, kernel_max_rows, step_timer
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 9, 3, 64, 576, 1536, 16
 
@@ -91,6 +91,7 @@ def main() -> int:
     for name, torch_us, cpp_us in rows:
         print(f"| {name:<36} | {torch_us:>9.1f} | {cpp_us:>9.1f} | {torch_us / max(cpp_us, 1e-3):>6.2f}x |")
     print()
+    print(f"linears of up to {kernel_max_rows(load_cpu_ops())} rows take our kernel on this machine")
     print(f"| {'a step of linears (121 weights)':<36} | {'oneDNN ms':>9} | {'ours ms':>9} | speedup |")
     print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
     for num_rows, onednn_ms, ours_ms in linear_step_rows([int(rows) for rows in args.linear_rows.split(",")]):
@@ -99,41 +100,13 @@ def main() -> int:
     return 0
 
 
-# SmolLM2-135M's layer matmuls ([out, in]: qkv, o, gate_up, down) x 30 layers, and its LM head.
-STEP_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 STEP_LINEAR_PARAMS = sum(rows * columns for rows, columns in STEP_LINEAR_SHAPES)
 
 
-def onednn_linear_step(packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
-    for weight in packed:
-        torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], weight, None, "none", [], "")
-
-
-def our_linear_step(ops, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], outputs: list[torch.Tensor]):
-    for weight, out in zip(weights, outputs, strict=True):
-        ops.linear_tokens(out, inputs[weight.shape[1]], weight)
-
-
 def linear_step_rows(row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
-    """(rows, oneDNN ms, ours ms) for one step's linears, the best of two alternated rounds of `repeats` steps."""
-    ops = load_cpu_ops()
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(rows, columns, generator=generator) for rows, columns in STEP_LINEAR_SHAPES]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT) for weight in weights]
-    results = []
-    for num_rows in row_counts:
-        inputs = {columns: torch.randn(num_rows, columns, generator=generator) for columns in (576, 1536)}
-        outputs = [torch.empty(num_rows, weight.shape[0]) for weight in weights]
-        steps = {
-            "oneDNN": partial(onednn_linear_step, packed, inputs),
-            "ours": partial(our_linear_step, ops, weights, inputs, outputs),
-        }
-        best = dict.fromkeys(steps, float("inf"))
-        for _ in range(2):
-            for name, step in steps.items():
-                best[name] = min(best[name], time_us(step, repeats) / 1000)
-        results.append((num_rows, best["oneDNN"], best["ours"]))
-    return results
+    """(rows, oneDNN ms, ours ms) for one step's linears: the median of `repeats` alternated steps."""
+    time_rows = step_timer(load_cpu_ops(), STEP_LINEAR_SHAPES)
+    return [(rows, *time_rows(rows, repeats).values()) for rows in row_counts]
 
 
 def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:

@@ -29,7 +29,7 @@ BUILD_WAIT_S = 900
 
 
 @contextlib.contextmanager
-def _exclusive_build(build_directory: Path) -> Iterator[None]:
+def exclusive_build(build_directory: Path) -> Iterator[None]:
     """Serialize our builds with an OS lock, which dies with its holder, unlike torch's lock file.
 
     A build killed mid-way leaves torch's `lock` file behind and torch waits on it forever; holding the OS lock
@@ -101,7 +101,7 @@ def load_cpu_ops() -> ModuleType | None:
 
     try:
         directory = build_directory()
-        with _exclusive_build(directory):
+        with exclusive_build(directory):
             # -march=native: the build runs on (and is cached for) the machine that uses it.
             return cpp_extension.load(
                 name=build_name(),
@@ -116,11 +116,15 @@ def load_cpu_ops() -> ModuleType | None:
 
 
 def main() -> None:
-    """`python -m cuda_ext.cpu_ops`: build (or find cached) kernels ahead of time, e.g. in `make setup`."""
+    """`python -m cuda_ext.cpu_ops`: build (or find cached) kernels and measure the linear kernel's crossover ahead of
+    time, e.g. in `make setup`."""
     logging.basicConfig(level=logging.INFO)
-    if load_cpu_ops() is None:
+    ops = load_cpu_ops()
+    if ops is None:
         raise SystemExit("CPU kernels unavailable (see the warning above)")
-    logger.info("CPU kernels ready")
+    from cuda_ext.linear_crossover import kernel_max_rows
+
+    logger.info("CPU kernels ready; fp32 linears of up to %d rows take our kernel", kernel_max_rows(ops))
 
 
 if __name__ == "__main__":

@@ -15,23 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from cuda_ext.linear_crossover import PACKING_BATCH_HINT, kernel_max_rows
 from model_executor.parallel_state import ParallelContext, divide
 
 logger = logging.getLogger(__name__)
-
-# oneDNN picks its blocked layout for a typical M; any batch size still runs on it.
-PACKING_BATCH_HINT = 64
-
-
-def kernel_max_rows(linear_kernel_ops: ModuleType) -> int:
-    """Up to how many rows our fp32 linear kernel beats oneDNN's packed GEMM on this build.
-
-    Over a decode step's 121 distinct weights (as in the model, so each streams from memory;
-    `benchmarks/bench_cpu_kernels.py`): with 16-lane registers (AVX-512, 6 tokens a register block; Intel, 2 cores)
-    1.30x at 1 row, 1.37x at 8, 1.38x at 16, 1.26x at 32, 1.18x at 64, 1.06x at 96 and 0.98x at 128; with 8 lanes
-    (AVX2, Zen 3, the earlier one-row-at-a-time kernel) 1.16-1.27x at 1-6 rows, even at 8, 0.79x at 12.
-    """
-    return 96 if linear_kernel_ops.vector_lanes >= 16 else 8
 
 
 def read_rows(loaded_weight: Any, start: int, size: int) -> torch.Tensor:
@@ -103,6 +90,8 @@ class PackableWeight:
         self.packed_weight = pack_weight_for_cpu(self.weight)
         if self.packed_weight is not None and self.weight.dtype == torch.float32:
             self.linear_kernel_ops = load_cpu_ops()
+            if self.linear_kernel_ops is not None:
+                kernel_max_rows(self.linear_kernel_ops)  # measured at load (once per machine), not in a first step
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):

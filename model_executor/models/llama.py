@@ -10,12 +10,8 @@ from torch import nn
 
 from cuda_ext.attention import AttentionBackend, get_attention_backend
 from cuda_ext.fused_ops import silu_and_mul
-from model_executor.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    kernel_max_rows,
-)
+from cuda_ext.linear_crossover import kernel_max_rows
+from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -159,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack_max_tokens = 0
 
     def prepare_decode_stack(self) -> bool:
-        """Decode steps of up to `kernel_max_rows` tokens run this stage's layers in one C++ call (CPU, fp32, one
-        tensor-parallel rank).
+        """Decode steps of up to `kernel_max_rows` tokens (this machine's crossover of our linear kernel and oneDNN)
+        run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
 
         Its matrix products are our linear kernel (each weight streamed from memory once), and the ~30 other small
         ops per layer, each a Python call and a dispatch on the layer-by-layer path, were about a fifth of a
@@ -177,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
             or self.parallel.tp_size != 1
             or not isinstance(attention, CpuAttentionBackend)
             or first_layer.self_attn.qkv_proj.weight.dtype != torch.float32
+            or kernel_max_rows(ops) == 0
         ):
             return False
         stack = ops.DecodeStack(
