@@ -90,3 +90,12 @@ def test_linears_take_our_kernel_up_to_the_crossover_and_onednn_past_it(fresh_cr
         out = apply_linear(x, weight, packed, linear_kernel_ops=ops)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-5)
     assert used == [1, 4]
+
+
+def test_a_machine_where_onednn_cannot_be_timed_gets_the_fallback_uncached(fresh_crossover, monkeypatch) -> None:
+    def measure(ops):
+        raise RuntimeError("no mkldnn here")
+
+    monkeypatch.setattr(linear_crossover, "measure_kernel_max_rows", measure)
+    assert kernel_max_rows(cpu_ops.load_cpu_ops()) == linear_crossover.FALLBACK
+    assert not fresh_crossover.exists()
