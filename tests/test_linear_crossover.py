@@ -19,6 +19,8 @@ def test_the_crossover_is_the_last_row_count_of_an_unbroken_run_of_wins() -> Non
     assert crossover_rows(timings) == 8
     assert crossover_rows([(1, 5.0, 6.0), (8, 5.0, 4.0)]) == 0
     assert crossover_rows([(1, 5.0, 4.0), (8, 5.0, 4.0)]) == 8
+    # Within the tie margin (5%) ours still counts: 10.4 against 10 is a tie, 10.6 a loss.
+    assert crossover_rows([(1, 10.0, 7.0), (8, 10.0, 10.4), (16, 10.0, 10.6)]) == 8
 
 
 def test_measuring_times_both_paths_and_stops_after_the_first_loss() -> None:
@@ -28,9 +30,9 @@ def test_measuring_times_both_paths_and_stops_after_the_first_loss() -> None:
     assert [count for count, _, _ in timings] == [1, 2, 4, 8][: len(timings)]
     assert all(onednn > 0 and ours > 0 for _, onednn, ours in timings)
     assert rows == crossover_rows(timings)
-    # Every count measured but the last was a win; the last is either a win or where it stopped.
-    assert all(ours <= onednn for _, onednn, ours in timings[:-1])
-    assert len(timings) == 4 or timings[-1][2] > timings[-1][1]
+    # No count measured but the last was a loss; the last is either not one or where it stopped.
+    assert not any(linear_crossover.loses(onednn, ours) for _, onednn, ours in timings[:-1])
+    assert len(timings) == 4 or linear_crossover.loses(timings[-1][1], timings[-1][2])
 
 
 @pytest.fixture
@@ -45,8 +47,17 @@ def fresh_crossover(monkeypatch, tmp_path):
 
 def test_a_cached_crossover_is_used_for_this_thread_count(fresh_crossover) -> None:
     threads = torch.get_num_threads()
-    fresh_crossover.write_text(json.dumps({str(threads): 5, str(threads + 1): 77}))
+    kernels = linear_crossover.kernel_source_hash()
+    fresh_crossover.write_text(json.dumps({"kernels": kernels, str(threads): 5, str(threads + 1): 77}))
     assert kernel_max_rows(cpu_ops.load_cpu_ops()) == 5
+
+
+def test_a_crossover_measured_with_other_kernels_is_measured_again(fresh_crossover, monkeypatch) -> None:
+    threads = str(torch.get_num_threads())
+    fresh_crossover.write_text(json.dumps({"kernels": "an older build", threads: 5}))
+    monkeypatch.setattr(linear_crossover, "measure_kernel_max_rows", lambda ops: (40, [(40, 1.0, 1.0)]))
+    assert kernel_max_rows(cpu_ops.load_cpu_ops()) == 40
+    assert json.loads(fresh_crossover.read_text()) == {"kernels": linear_crossover.kernel_source_hash(), threads: 40}
 
 
 def test_a_missing_crossover_is_measured_once_and_cached(fresh_crossover, monkeypatch) -> None:
@@ -59,7 +70,8 @@ def test_a_missing_crossover_is_measured_once_and_cached(fresh_crossover, monkey
     monkeypatch.setattr(linear_crossover, "measure_kernel_max_rows", measure)
     ops = cpu_ops.load_cpu_ops()
     assert kernel_max_rows(ops) == 24
-    assert json.loads(fresh_crossover.read_text()) == {str(torch.get_num_threads()): 24}
+    cached = {"kernels": linear_crossover.kernel_source_hash(), str(torch.get_num_threads()): 24}
+    assert json.loads(fresh_crossover.read_text()) == cached
     kernel_max_rows.cache_clear()
     assert kernel_max_rows(ops) == 24  # from the file this time
     assert len(calls) == 1

@@ -725,7 +725,10 @@ inline void dot_block(const float* x, int64_t x_stride, const float* w, int64_t 
     }
 #pragma GCC unroll 8
     for (int64_t t = 0; t < kTokens; ++t) {
-      const Lanes xs = load_lanes(x + t * x_stride + i);
+      Lanes xs = load_lanes(x + t * x_stride + i);
+      // One load of x for the block's four rows: left to itself GCC folds it into each FMA as a memory operand (28
+      // loads per 24 FMAs), which a core with one 512-bit load a cycle (Zen 4) cannot feed.
+      asm("" : "+v"(xs));
 #pragma GCC unroll 4
       for (int64_t r = 0; r < kBlockRows; ++r) {
         sums[t][r] += rows[r] * xs;
