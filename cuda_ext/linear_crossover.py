@@ -1,11 +1,11 @@
 """Up to how many rows our fp32 linear kernel beats oneDNN's packed GEMM: measured once per machine, cached on disk.
 
 The crossover is a property of the core, not of the instruction set: with the same AVX-512 build, a step of
-linears at 64 rows ran 1.18x oneDNN's speed on the Intel VM (two 512-bit FMA ports) and 0.86x on the Zen 4 VM
-(512-bit FMAs issued as two 256-bit halves), where only up to ~16 rows win. So `python -m cuda_ext.cpu_ops`
-(`make setup`) times a decode step's linears at a ladder of row counts on both paths and stores the answer beside
-the build; a process that finds none measures it on first use (a few seconds, under the build's lock, so
-concurrent workers neither measure twice nor disturb each other's timings).
+linears at 64 rows ran 1.18x oneDNN's speed on the Intel VM (two 512-bit loads a cycle) and 0.86x on the Zen 4 VM
+(one), until a load the compiler had folded into every FMA was pinned in a register (1.06x there since; 128 rows
+measured). So `python -m cuda_ext.cpu_ops` (`make setup`) times a decode step's linears at a ladder of row counts
+on both paths and stores the answer beside the build; a process that finds none measures it on first use (a few
+seconds, under the build's lock, so concurrent workers neither measure twice nor disturb each other's timings).
 """
 
 from __future__ import annotations
