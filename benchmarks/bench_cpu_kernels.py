@@ -106,7 +106,8 @@ STEP_LINEAR_PARAMS = sum(rows * columns for rows, columns in STEP_LINEAR_SHAPES)
 def linear_step_rows(row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
     """(rows, oneDNN ms, ours ms) for one step's linears: the median of `repeats` alternated steps."""
     time_rows = step_timer(load_cpu_ops(), STEP_LINEAR_SHAPES)
-    return [(rows, *time_rows(rows, repeats).values()) for rows in row_counts]
+    timings = {rows: time_rows(rows, repeats) for rows in row_counts}
+    return [(rows, timing["oneDNN"], timing["ours"]) for rows, timing in timings.items()]
 
 
 def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:
