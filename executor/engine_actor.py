@@ -19,6 +19,7 @@ from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import EngineCore, EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError, RayExecutor
+from executor.heap import freeze_startup_heap, thaw_heap
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import load_model_info
 
@@ -186,6 +187,7 @@ class EngineActor:
         except Exception as error:
             self.dead_reason = f"engine failed to start: {short_reason(error)}"
             raise
+        freeze_startup_heap("scheduler actor")
 
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
@@ -539,6 +541,9 @@ class EngineActor:
             await asyncio.to_thread(failed_core.shutdown)
         except Exception:
             logger.exception("cleaning up the failed engine")
+        # The failed engine is frozen with the start-up heap: thawed, its cycles go at the next freeze's collect.
+        del failed_core
+        thaw_heap()
         try:
             self.core = await asyncio.to_thread(self._build_core)
         except Exception as error:
@@ -546,6 +551,7 @@ class EngineActor:
             logger.exception("engine rebuild failed; the engine stays down")
             return
         self.loop_task = None
+        freeze_startup_heap("scheduler actor")
         self.num_rebuilds += 1
         self.dead_reason = None
         logger.info("engine rebuilt (%d so far); serving again", self.num_rebuilds)

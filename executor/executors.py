@@ -116,6 +116,7 @@ class RayExecutor(Executor):
             budget_blocks = ray.get([worker.load_model.remote() for worker in self.workers])
             self.num_kv_blocks = config.num_kv_blocks or min(budget_blocks)
             ray.get([worker.allocate_kv_cache.remote(self.num_kv_blocks) for worker in self.workers])
+            ray.get([worker.freeze_startup_heap.remote() for worker in self.workers])
         except Exception:
             self.shutdown()
             raise

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from configs.engine_config import EngineConfig
+from executor.heap import freeze_startup_heap
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import ModelInfo
 from model_executor.model_runner import ModelRunner
@@ -87,6 +88,11 @@ class ModelWorker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def freeze_startup_heap(self) -> int:
+        """In a worker process of its own (a Ray actor), once the model and cache are in: see executor.heap. Never
+        in-process, where the heap is the user's program's."""
+        return freeze_startup_heap(f"model worker pp{self.pp_rank}-tp{self.tp_rank}")
 
     def ping(self) -> str:
         return f"pp{self.pp_rank}-tp{self.tp_rank}"

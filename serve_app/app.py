@@ -40,6 +40,7 @@ from executor.engine_actor import (
 )
 from executor.engine_core import validate_prompt
 from executor.executors import EngineDeadError, EngineOverloadedError
+from executor.heap import freeze_startup_heap
 from executor.output_processor import OutputProcessor, RequestState
 from model_executor.model_fetch import resolve_model
 from serve_app.engine_client import EngineClient
@@ -231,6 +232,7 @@ class OpenAIIngress:
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
         }
+        freeze_startup_heap("ingress replica")
         logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
 
     def _attach(self, client: EngineClient) -> dict[str, Any]:

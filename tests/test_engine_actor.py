@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -83,6 +84,42 @@ def test_dead_worker_fails_requests_fast_and_health_says_so(engine):
 
 def _worker_handle(engine):
     return ray.get(engine.worker_handles.remote())[0]
+
+
+def test_start_up_heap_is_frozen_and_a_rebuild_lets_the_failed_engine_go(engine):
+    """What the scheduler actor and its worker load at start-up is out of the cyclic GC's full collections (each
+    rescan of it stalled every stream); a rebuild thaws it first, so the failed engine is collected, not kept."""
+
+    # Nested, so they travel to the actors by value.
+    def _frozen_objects(_actor) -> int:
+        import gc
+
+        return gc.get_freeze_count()
+
+    assert ray.get(engine.__ray_call__.remote(_frozen_objects), timeout=30) > 10_000
+    assert ray.get(_worker_handle(engine).__ray_call__.remote(_frozen_objects), timeout=30) > 1_000
+
+    def watch_core(actor) -> None:
+        import weakref
+
+        actor.watched_core = weakref.ref(actor.core)
+
+    ray.get(engine.__ray_call__.remote(watch_core), timeout=30)
+    ray.kill(_worker_handle(engine))
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(engine.check_health.remote(), timeout=60)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "no rebuild"
+        with contextlib.suppress(ray.exceptions.RayTaskError):  # down until rebuilt
+            if ray.get(engine.stats.remote(), timeout=30)["num_rebuilds"] == 1:
+                break
+        time.sleep(0.5)
+    assert ray.get(engine.__ray_call__.remote(lambda actor: actor.watched_core() is None), timeout=30)
+    assert ray.get(engine.__ray_call__.remote(_frozen_objects), timeout=30) > 10_000
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ray.get(engine.add_request.remote("client-c", "after", [5, 6, 7], params), timeout=30)
+    assert len(collect(engine, "client-c", {"after"})["tokens"]["after"]) == 4
 
 
 def test_a_reader_that_falls_behind_gets_the_piled_up_steps_as_one_output(engine):

@@ -202,3 +202,17 @@ def test_tiny_tp2_pp2_over_http_equals_single_rank(serve_port, tiny_model_dir):
         assert len({w["pid"] for w in topology["workers"]}) == 4
     finally:
         serve.delete(config.serve.app_name)
+
+
+def test_the_ingress_replica_froze_its_start_up_heap(smol_url):
+    """The tokenizer and Serve's code are out of the cyclic GC's full collections, as in the scheduler actor."""
+    from tests.conftest import ray_actors
+
+    def frozen_objects(_actor) -> int:  # nested: travels to the replica by value
+        import gc
+
+        return gc.get_freeze_count()
+
+    (replica,) = ray_actors(f"ServeReplica:{SMOL_APP.serve.app_name}:")
+    handle = ray.get_actor(replica["Name"], namespace="serve")
+    assert ray.get(handle.__ray_call__.remote(frozen_objects), timeout=30) > 10_000
