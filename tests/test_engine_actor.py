@@ -88,7 +88,10 @@ def _worker_handle(engine):
 
 def test_start_up_heap_is_frozen_and_a_rebuild_lets_the_failed_engine_go(engine):
     """What the scheduler actor and its worker load at start-up is out of the cyclic GC's full collections (each
-    rescan of it stalled every stream); a rebuild thaws it first, so the failed engine is collected, not kept."""
+    rescan of it stalled every stream); after a rebuild the failed engine is gone, not kept, and the new one frozen.
+
+    The core itself is freed by reference counting, so this passes with or without the thaw before the rebuild;
+    the thaw is for whatever of the old engine only the cyclic GC can free."""
 
     # Nested, so they travel to the actors by value.
     def _frozen_objects(_actor) -> int:
