@@ -158,9 +158,14 @@ def matmul_roofline(
     dtype: str = "auto",
     show_progress: bool = True,
     include_lm_head: bool = True,
+    greedy_head: bool = True,
 ) -> dict[str, Any]:
     """Time one "decode step" of our model's linear layers alone at `batch_size` tokens (without the LM head:
     a prefill chunk's matmuls, whose rows but the last never reach the LM head).
+
+    The LM head is the matmul the engine runs for greedy rows (the benchmarks' rows): where the engine screens
+    them (`model_executor.layers.greedy_screen`), its bf16 matmul; `greedy_head=False` (or no screen) times the
+    fp32 head that sampled rows take.
 
     The weights are those `ModelRunner` loads (device and dtype resolved as the engine does: float32 on CPU); the
     inputs are random activations of each layer's input width, made once. Each timed step runs every layer's
@@ -183,10 +188,14 @@ def matmul_roofline(
         width: torch.randn(batch_size, width, generator=generator, dtype=torch.float32).to(run_device, run_dtype)
         for width in {weight.shape[1] for weight in weights}
     }
-    calls = [
-        (module.compute_logits if name == "lm_head" else module, activations[module.weight.shape[1]])
-        for name, module in linears
-    ]
+    screen = runner.greedy_screen if greedy_head else None
+
+    def matmul_of(name: str, module: Any) -> Any:
+        if name != "lm_head":
+            return module
+        return screen.approx_logits if screen is not None else module.compute_logits
+
+    calls = [(matmul_of(name, module), activations[module.weight.shape[1]]) for name, module in linears]
 
     def synchronize() -> None:
         if run_device.type == "cuda":
@@ -209,9 +218,15 @@ def matmul_roofline(
     step_time = statistics.median(step_times)
     params = sum(weight.numel() for weight in weights)
     weight_bytes = sum(weight.numel() * weight.element_size() for weight in weights)
+    if screen is not None and include_lm_head:
+        # The screened head reads its bf16 copy: half the fp32 weight's bytes.
+        weight_bytes -= model.lm_head.weight.numel() * model.lm_head.weight.element_size() // 2
     result = {
         "batch_size": batch_size,
         "include_lm_head": include_lm_head,
+        "lm_head": ("bf16 (greedy screen)" if screen is not None else str(run_dtype).removeprefix("torch."))
+        if include_lm_head
+        else None,
         "iterations": iterations,
         "warmup": warmup,
         "step_time_s": step_time,

@@ -268,6 +268,7 @@ def format_baselines(baselines: dict[str, Any]) -> str:
         lines.append(
             row(f"  linears-only step, batch {roofline['batch_size']} (ms):", f"{roofline['step_time_s'] * 1e3:.2f}")
         )
+        lines.append(row("  LM head:", roofline.get("lm_head")))
     ceiling = baselines["ceiling"]
     lines.append(row("Workload ceiling, linears only (tok/s):", f"{ceiling['output_tok_per_s']:.2f}"))
     lines.append(

@@ -52,6 +52,9 @@ class ParallelSection(Section):
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     cuda_graphs: Literal["auto", "off", "padded"] = Field("auto", description="Decode CUDA graphs (see EngineConfig).")
     cuda_graph_max_batch_size: int = Field(256, ge=1, description="Largest decode batch captured as a graph.")
+    greedy_screening: Literal["auto", "on", "off"] = Field(
+        "auto", description="Greedy rows: bf16 LM head, exact fp32 argmax (see EngineConfig)."
+    )
 
 
 class ServeSection(Section):

@@ -67,6 +67,12 @@ class EngineConfig(BaseModel):
         description="auto: capture decode steps as CUDA graphs on CUDA (one pipeline stage); off: always eager; "
         "padded: pad decode steps to the graph buckets but run them eagerly (checks the graph path on CPU).",
     )
+    greedy_screening: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Greedy rows on CPU (fp32): the LM head in bf16, then fp32 logits only for the tokens within "
+        "the bf16 error bound of the best; the same tokens, at about half the head's cost. auto: on CPUs with bf16 "
+        "dot products (AVX512-BF16, AMX); on: anywhere (oneDNN emulates bf16 elsewhere, slower).",
+    )
     cuda_graph_max_batch_size: int = Field(
         256, ge=1, description="Largest decode batch with a CUDA graph (capped at max_num_seqs); larger run eagerly."
     )

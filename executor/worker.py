@@ -79,6 +79,7 @@ class ModelWorker:
             seed=self.config.seed,
             show_progress=show_progress,
             cuda_graphs=self.config.cuda_graphs,
+            greedy_screening=self.config.greedy_screening,
             cuda_graph_max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
         )
         return self.runner.num_kv_blocks_for_budget(int(self.config.kv_cache_memory_gib * 2**30))

@@ -18,11 +18,12 @@ from cuda_ext.cuda_graphs import (
     decode_buckets,
     pad_decode_inputs,
 )
+from model_executor.layers.greedy_screen import GreedyScreen
 from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
 from model_executor.models import get_model_class
 from model_executor.parallel_state import ParallelContext
-from model_executor.sampler import Sampler, SamplingRow
+from model_executor.sampler import Sampler, SamplerOutput, SamplingRow
 from model_executor.step_plan import NewRequestData, StepPlan, StepResult
 from model_executor.weight_loader import load_safetensors_weights
 
@@ -53,6 +54,7 @@ class ModelRunner:
         seed: int = 0,
         show_progress: bool = True,
         cuda_graphs: str = "auto",
+        greedy_screening: str = "auto",
         cuda_graph_max_batch_size: int = 256,
     ):
         self.model_info = model_info
@@ -73,6 +75,11 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, PackableWeight):
                 module.pack_weights()
+        # Vocab-parallel heads would need a cross-rank argmax; one rank's head is screened on its own.
+        lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
+        self.greedy_screen = (
+            GreedyScreen.build(lm_head.weight, lm_head.linear_kernel_ops, greedy_screening) if lm_head else None
+        )
         if self.model.prepare_decode_stack():
             logger.info(
                 "decode steps of up to %d tokens run the decoder stack in one C++ call",
@@ -247,10 +254,16 @@ class ModelRunner:
         if not sample_rows:
             return StepResult()
         sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden_states.index_select(0, sample_index)).float()
-        if not self.is_driver:
-            return StepResult()
-        sampled = self.sampler(logits, [state.sampling_row for state in sampling_states])
+        sample_hidden = hidden_states.index_select(0, sample_index)
+        sampling_rows = [state.sampling_row for state in sampling_states]
+        if self.greedy_screen is not None and self.sampler.all_plain_greedy(sampling_rows):
+            token_ids = self.greedy_screen.token_ids(sample_hidden).tolist()
+            sampled = SamplerOutput(token_ids, [None] * len(token_ids))
+        else:
+            logits = self.model.compute_logits(sample_hidden).float()
+            if not self.is_driver:
+                return StepResult()
+            sampled = self.sampler(logits, sampling_rows)
         if self.keeps_sampled_tokens:
             # The next step may be planned before the scheduler has seen these tokens (async scheduling).
             for state, token_id in zip(sampling_states, sampled.sampled_token_ids, strict=True):

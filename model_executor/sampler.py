@@ -87,7 +87,7 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}.")
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if all(self._is_plain_greedy(row) for row in rows):
+        if self.all_plain_greedy(rows):
             # Nothing to process, nothing to report: the common decode step of a greedy batch is one argmax.
             return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
 
@@ -117,6 +117,10 @@ class Sampler:
         self._apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         return logits
+
+    def all_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
+        """Every row greedy with nothing to apply or report: the step's tokens are the argmax of the raw logits."""
+        return all(self._is_plain_greedy(row) for row in rows)
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         params = row.params

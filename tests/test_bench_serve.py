@@ -24,6 +24,7 @@ from cluster.bench_serve import (
     summarize,
     synthetic_prompts,
 )
+from model_executor.layers.greedy_screen import cpu_has_bf16_dot_products
 
 pytestmark = pytest.mark.slow
 
@@ -190,8 +191,13 @@ def test_matmul_roofline_on_the_tiny_model(tiny_model_dir):
         # hidden 64, 4 heads / 2 KV heads of 16, intermediate 128, vocab 49152, untied LM head.
         per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 2 * 128 + 128 * 64
         assert result["linear_params"] == 2 * per_layer + 49152 * 64
+        # The head the engine runs for greedy rows: bf16 where it screens them (CPUs with bf16 dot products).
+        assert result["lm_head"] == ("bf16 (greedy screen)" if cpu_has_bf16_dot_products() else "float32")
+    fp32_head = matmul_roofline(tiny_model_dir, 4, iterations=2, show_progress=False, greedy_head=False)
+    assert fp32_head["lm_head"] == "float32"
     prefill = matmul_roofline(tiny_model_dir, 8, iterations=2, show_progress=False, include_lm_head=False)
     assert prefill["num_matmuls"] == 2 * 4 and prefill["linear_params"] == 2 * per_layer
+    assert prefill["lm_head"] is None
 
 
 def test_workload_ceiling_adds_up_the_prefill_and_decode_matmuls(tiny_model_dir):
