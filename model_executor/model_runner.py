@@ -23,7 +23,7 @@ from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
 from model_executor.models import get_model_class
 from model_executor.parallel_state import ParallelContext
-from model_executor.sampler import Sampler, SamplerOutput, SamplingRow
+from model_executor.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from model_executor.step_plan import NewRequestData, StepPlan, StepResult
 from model_executor.weight_loader import load_safetensors_weights
 
@@ -256,9 +256,8 @@ class ModelRunner:
         sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         sample_hidden = hidden_states.index_select(0, sample_index)
         sampling_rows = [state.sampling_row for state in sampling_states]
-        if self.greedy_screen is not None and self.sampler.all_plain_greedy(sampling_rows):
-            token_ids = self.greedy_screen.token_ids(sample_hidden).tolist()
-            sampled = SamplerOutput(token_ids, [None] * len(token_ids))
+        if self.greedy_screen is not None and any(map(self.sampler.is_plain_greedy, sampling_rows)):
+            sampled = self._sample_with_screen(sample_hidden, sampling_rows)
         else:
             logits = self.model.compute_logits(sample_hidden).float()
             if not self.is_driver:
@@ -270,6 +269,26 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 state.sampling_row.output_token_ids.append(token_id)
         return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
+
+    def _sample_with_screen(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Plain greedy rows through the screened head; the others (sampled, logprobs, penalties) through the fp32
+        head and the sampler, as if they were the whole batch (every sampler stage works row by row)."""
+        greedy_index = [index for index, row in enumerate(rows) if self.sampler.is_plain_greedy(row)]
+        other_index = [index for index, row in enumerate(rows) if not self.sampler.is_plain_greedy(row)]
+        token_ids = [0] * len(rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if len(greedy_index) < len(rows):
+            hidden_greedy = hidden.index_select(0, torch.tensor(greedy_index, dtype=torch.int64))
+            hidden_other = hidden.index_select(0, torch.tensor(other_index, dtype=torch.int64))
+            logits = self.model.compute_logits(hidden_other).float()
+            others = self.sampler(logits, [rows[index] for index in other_index])
+            for index, token_id, entry in zip(other_index, others.sampled_token_ids, others.logprobs, strict=True):
+                token_ids[index], logprobs[index] = token_id, entry
+        else:
+            hidden_greedy = hidden
+        for index, token_id in zip(greedy_index, self.greedy_screen.token_ids(hidden_greedy).tolist(), strict=True):
+            token_ids[index] = token_id
+        return SamplerOutput(token_ids, logprobs)
 
     def _decode_inputs(
         self,

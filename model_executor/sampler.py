@@ -119,10 +119,10 @@ class Sampler:
         return logits
 
     def all_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
-        """Every row greedy with nothing to apply or report: the step's tokens are the argmax of the raw logits."""
-        return all(self._is_plain_greedy(row) for row in rows)
+        return all(self.is_plain_greedy(row) for row in rows)
 
-    def _is_plain_greedy(self, row: SamplingRow) -> bool:
+    def is_plain_greedy(self, row: SamplingRow) -> bool:
+        """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits."""
         params = row.params
         return (
             params.is_greedy

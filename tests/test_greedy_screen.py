@@ -98,13 +98,25 @@ def test_smollm2_screened_matches_hf_and_the_fp32_head(smollm2_dir, hf_reference
     )
 
 
-def test_sampled_and_logprob_rows_take_the_full_head(tiny_model_dir, make_llm):
+def test_a_mixed_batch_screens_its_greedy_rows_only(tiny_model_dir, make_llm):
+    """Greedy, seeded-sampled and logprob requests in the same steps: each gets the tokens it gets without the
+    screen, and only the plain greedy rows go through it."""
     from configs.sampling_params import SamplingParams
 
-    llm = make_llm(tiny_model_dir, greedy_screening="on")
-    screen = llm.engine.core.executor.worker.runner.greedy_screen
-    llm.generate(["hello there"], SamplingParams(temperature=0.8, max_tokens=6, seed=1), use_tqdm=False)
-    llm.generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2), use_tqdm=False)
-    assert screen.num_screened_rows == 0
-    llm.generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    assert screen.num_screened_rows == 6
+    prompts = ["hello there", "the sea is", "one two three"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.8, max_tokens=6, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+    ]
+    results = {}
+    for mode in ("on", "off"):
+        llm = make_llm(tiny_model_dir, greedy_screening=mode)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = [(output.outputs[0].token_ids, output.outputs[0].logprobs) for output in outputs]
+        screen = llm.engine.core.executor.worker.runner.greedy_screen
+        if mode == "on":
+            assert screen.num_screened_rows == 6  # the greedy request's six tokens, nobody else's
+        else:
+            assert screen is None
+    assert results["on"] == results["off"]
