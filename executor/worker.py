@@ -86,6 +86,9 @@ class ModelWorker:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        # Ranks of a parallel group would each need the same dummy plan at once; one rank warms up alone.
+        if self.config.world_size == 1:
+            self.runner.warm_up(self.config.max_num_batched_tokens)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)

@@ -189,3 +189,16 @@ def test_max_tokens_none_runs_to_context_limit(tiny_model_dir, make_llm):
     output = llm.generate([[5] * 30], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == 10
     assert output.outputs[0].finish_reason == "length"
+
+
+def test_a_new_engine_warms_up_on_dummy_prompts_and_forgets_them(tiny_model_dir, make_llm):
+    """One step budget of dummy prompts and two decode steps before serving; nothing of them stays behind, and a
+    KV cache too small for one dummy prompt skips the warm-up."""
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=256)
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.num_warm_up_prompts == 4  # 256 tokens in prompts of 64
+    assert runner.requests == {} and runner.generators == {}
+    assert_no_leaked_blocks(llm)
+    tiny_cache = make_llm(tiny_model_dir, num_kv_blocks=4)
+    assert tiny_cache.engine.core.executor.worker.runner.num_warm_up_prompts == 0
+    assert len(tiny_cache.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids)
