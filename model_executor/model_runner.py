@@ -301,8 +301,13 @@ class ModelRunner:
         sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         sample_hidden = hidden_states.index_select(0, sample_index)
         sampling_rows = [state.sampling_row for state in sampling_states]
-        if self.greedy_screen is not None and any(map(self.sampler.is_plain_greedy, sampling_rows)):
-            sampled = self._sample_with_screen(sample_hidden, sampling_rows)
+        greedy_index = (
+            [index for index, row in enumerate(sampling_rows) if self.sampler.is_plain_greedy(row)]
+            if self.greedy_screen is not None
+            else []
+        )
+        if greedy_index:
+            sampled = self._sample_with_screen(sample_hidden, sampling_rows, greedy_index)
         else:
             logits = self.model.compute_logits(sample_hidden).float()
             if not self.is_driver:
@@ -315,14 +320,17 @@ class ModelRunner:
                 state.sampling_row.output_token_ids.append(token_id)
         return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
 
-    def _sample_with_screen(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Plain greedy rows through the screened head; the others (sampled, logprobs, penalties) through the fp32
-        head and the sampler, as if they were the whole batch (every sampler stage works row by row)."""
-        greedy_index = [index for index, row in enumerate(rows) if self.sampler.is_plain_greedy(row)]
-        other_index = [index for index, row in enumerate(rows) if not self.sampler.is_plain_greedy(row)]
+    def _sample_with_screen(
+        self, hidden: torch.Tensor, rows: list[SamplingRow], greedy_index: list[int]
+    ) -> SamplerOutput:
+        """The plain greedy rows (`greedy_index`) through the screened head; the others (sampled, logprobs,
+        penalties) through the fp32 head and the sampler, as if they were the whole batch (every sampler stage works
+        row by row)."""
+        greedy = set(greedy_index)
+        other_index = [index for index in range(len(rows)) if index not in greedy]
         token_ids = [0] * len(rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if len(greedy_index) < len(rows):
+        if other_index:
             hidden_greedy = hidden.index_select(0, torch.tensor(greedy_index, dtype=torch.int64))
             hidden_other = hidden.index_select(0, torch.tensor(other_index, dtype=torch.int64))
             logits = self.model.compute_logits(hidden_other).float()

@@ -87,7 +87,7 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}.")
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if self.all_plain_greedy(rows):
+        if all(map(self.is_plain_greedy, rows)):
             # Nothing to process, nothing to report: the common decode step of a greedy batch is one argmax.
             return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
 
@@ -117,9 +117,6 @@ class Sampler:
         self._apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         return logits
-
-    def all_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
-        return all(self.is_plain_greedy(row) for row in rows)
 
     def is_plain_greedy(self, row: SamplingRow) -> bool:
         """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits."""

@@ -1085,15 +1085,13 @@ void linear_tokens(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
 // Greedy next tokens from bf16 logits, exactly: row r's token is the argmax of its fp32 logits x[r] . weight[i]
 // (linear_tokens_kernel's sums), computed only for the tokens whose bf16 logit may still be the best. A bf16 logit
 // a(i) differs from the fp32 one by at most input_rounding * |x[r]| * |weight[i]| (both operands rounded to bf16;
-// Cauchy-Schwarz bounds sum |x w|) plus output_rounding * |a(i)| (the result rounded to bf16) plus kScreenSlack;
+// Cauchy-Schwarz bounds sum |x w|) plus output_rounding * |a(i)| (the result rounded to bf16) plus slack;
 // a token whose a(i) + error(i) falls below the largest a(j) - error(j) cannot be the argmax. Candidates are kept
 // in token order, so equal maxima resolve to the first, as argmax does. A row with more than max_candidates
 // candidates, or a non-finite bf16 logit, gets -1: its caller computes that row's fp32 logits in full.
-constexpr float kScreenSlack = 1e-5f;
-
 torch::Tensor screened_greedy(const torch::Tensor& approx_logits, const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& row_norms, double input_rounding, double output_rounding,
-                              int64_t max_candidates) {
+                              double slack, int64_t max_candidates) {
   check_rows(weight, "weight");
   TORCH_CHECK(approx_logits.scalar_type() == torch::kBFloat16 && approx_logits.is_contiguous() &&
                   approx_logits.dim() == 2,
@@ -1112,7 +1110,7 @@ torch::Tensor screened_greedy(const torch::Tensor& approx_logits, const torch::T
   const float* x_data = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   int64_t* out_tokens = tokens.data_ptr<int64_t>();
-  const float out_rounding = static_cast<float>(output_rounding);
+  const float out_rounding = static_cast<float>(output_rounding), error_slack = static_cast<float>(slack);
   const auto bf16_value = [](uint16_t bits) {
     const uint32_t widened = static_cast<uint32_t>(bits) << 16;
     float value;
@@ -1133,13 +1131,13 @@ torch::Tensor screened_greedy(const torch::Tensor& approx_logits, const torch::T
       float best_lower = -std::numeric_limits<float>::infinity();
       bool finite = std::isfinite(input_bound);
       const auto error_of = [&](float value, int64_t i) {
-        return input_bound * norms[i] + out_rounding * std::fabs(value) + kScreenSlack;
+        return input_bound * norms[i] + out_rounding * std::fabs(value) + error_slack;
       };
       int64_t vector_end = 0;
 #if defined(__AVX512F__)
       vector_end = vocab - vocab % 16;
       const __m512 bound_lanes = _mm512_set1_ps(input_bound), rounding_lanes = _mm512_set1_ps(out_rounding),
-                   slack_lanes = _mm512_set1_ps(kScreenSlack);
+                   slack_lanes = _mm512_set1_ps(error_slack);
       // 16 bf16 logits widened to fp32 (a bf16 is the top half of an fp32), and their error bounds.
       const auto load_logits = [&](int64_t i) {
         const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_logits + i));

@@ -20,12 +20,15 @@ from types import ModuleType
 import torch
 
 from cuda_ext.linear_crossover import PACKING_BATCH_HINT
+from model_executor.sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
 # Twice the worst cases: 2^-7 for products of bf16-rounded operands, 2^-8 for rounding the result to bf16.
 INPUT_ROUNDING = 2.0**-6
 OUTPUT_ROUNDING = 2.0**-7
+# Added to every bound: an absolute margin for the float arithmetic of the bound itself.
+SLACK = 1e-5
 # Above this many candidates a row's fp32 logits are computed in full (a flat distribution; rare when greedy).
 MAX_CANDIDATES = 256
 # Rows of random hidden states the start-up self-check puts through both heads.
@@ -76,7 +79,7 @@ class GreedyScreen:
         self.ops.linear_tokens(exact, hidden, self.weight)
         approx = self.approx_logits(hidden).float()
         bound = (
-            INPUT_ROUNDING * hidden.norm(dim=1, keepdim=True) * self.row_norms + OUTPUT_ROUNDING * approx.abs() + 1e-5
+            INPUT_ROUNDING * hidden.norm(dim=1, keepdim=True) * self.row_norms + OUTPUT_ROUNDING * approx.abs() + SLACK
         )
         return bool(((approx - exact).abs() <= bound).all())
 
@@ -94,13 +97,14 @@ class GreedyScreen:
             self.row_norms,
             INPUT_ROUNDING,
             OUTPUT_ROUNDING,
+            SLACK,
             MAX_CANDIDATES,
         )
         fallback = (token_ids < 0).nonzero().flatten()
         if fallback.numel():
             full = torch.empty(fallback.numel(), self.weight.shape[0])
             self.ops.linear_tokens(full, hidden.index_select(0, fallback), self.weight)
-            token_ids[fallback] = full.max(dim=-1).indices
+            token_ids[fallback] = greedy_tokens(full)
         self.num_screened_rows += hidden.shape[0] - fallback.numel()
         self.num_fallback_rows += fallback.numel()
         return token_ids
