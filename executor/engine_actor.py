@@ -181,9 +181,20 @@ class EngineActor:
             await asyncio.shield(self.start_task)
         return self.core
 
+    async def _new_core(self) -> EngineCore:
+        """Workers up (in a thread: the event loop keeps answering), then their step channels opened on this loop."""
+        core = await asyncio.to_thread(self._build_core)
+        if self.config.step_transport == "socket":
+            try:
+                await core.executor.open_step_channels()
+            except BaseException:
+                await asyncio.to_thread(core.shutdown)
+                raise
+        return core
+
     async def _start(self) -> None:
         try:
-            self.core = await asyncio.to_thread(self._build_core)
+            self.core = await self._new_core()
         except Exception as error:
             self.dead_reason = f"engine failed to start: {short_reason(error)}"
             raise
@@ -545,7 +556,7 @@ class EngineActor:
         del failed_core
         thaw_heap()
         try:
-            self.core = await asyncio.to_thread(self._build_core)
+            self.core = await self._new_core()
         except Exception as error:
             self.dead_reason = f"engine rebuild failed: {short_reason(error)}"
             logger.exception("engine rebuild failed; the engine stays down")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 from abc import ABC, abstractmethod
 
 from configs.engine_config import EngineConfig
+from executor.step_channel import StepChannel
 from executor.worker import ModelWorker
 from model_executor.model_info import ModelInfo
 from model_executor.step_plan import StepPlan, StepResult
@@ -82,6 +84,7 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config = config
+        self.step_channels: list[StepChannel] = []
         use_gpu = model_info.device == "cuda"
         bundle = {"CPU": config.worker_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
         self.placement_group = placement_group([bundle] * config.world_size, strategy=config.placement_strategy)
@@ -105,7 +108,7 @@ class RayExecutor(Executor):
                         num_gpus=1 if use_gpu else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
                         name=None,
-                    ).remote(model_info, config, pp_rank, tp_rank, threads)
+                    ).remote(model_info, config, pp_rank, tp_rank, threads, compute_thread=True)
                 )
         # The last stage's first TP rank samples and returns the step's tokens.
         self.driver_index = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
@@ -129,6 +132,15 @@ class RayExecutor(Executor):
             self.num_kv_blocks,
         )
 
+    async def open_step_channels(self) -> None:
+        """From now on `submit` sends each plan over a socket per worker instead of an actor call (call on the event
+        loop that submits; `execute` is then refused: a step must never run on two threads of a worker at once)."""
+        addresses = await asyncio.gather(*[worker.open_step_channel.remote() for worker in self.workers])
+        self.step_channels = [
+            await StepChannel.connect(host, port, secret, f"model worker {index}")
+            for index, (host, port, secret) in enumerate(addresses)
+        ]
+
     def _submit(self, plan: StepPlan) -> list:
         import ray
 
@@ -138,14 +150,29 @@ class RayExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         import ray
 
+        if self.step_channels:
+            raise RuntimeError("this executor's steps go over its step channels: use submit")
         try:
             return ray.get(self._submit(plan))[self.driver_index]
         except ray.exceptions.RayError as error:
             raise EngineDeadError(f"model worker failed: {error}") from error
 
     def submit(self, plan: StepPlan) -> asyncio.Future:
-        """The workers get the step now, queued behind any step still running (an actor runs calls in order)."""
+        """The workers get the step now, queued behind any step still running (a channel, or an actor, runs them
+        in order)."""
+        if self.step_channels:
+            payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+            replies = [channel.send(payload) for channel in self.step_channels]
+            return asyncio.ensure_future(self._channel_result(replies))
         return asyncio.ensure_future(self._driver_result(self._submit(plan)))
+
+    async def _channel_result(self, replies: list[asyncio.Future]) -> StepResult:
+        # The first failure ends the step: the other ranks may be waiting for the failed one in a collective.
+        done, _ = await asyncio.wait(replies, return_when=asyncio.FIRST_EXCEPTION)
+        failures = [reply.exception() for reply in done if reply.exception() is not None]
+        if failures:
+            raise EngineDeadError(f"model worker failed: {failures[0]}") from failures[0]
+        return replies[self.driver_index].result()
 
     async def _driver_result(self, step_refs: list) -> StepResult:
         import ray
@@ -174,6 +201,9 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         import ray
 
+        for channel in getattr(self, "step_channels", []):
+            channel.close()
+        self.step_channels = []
         for worker in getattr(self, "workers", []):
             ray.kill(worker)
         self.workers = []

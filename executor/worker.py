@@ -6,16 +6,22 @@ parallel layers and as a Ray actor in the cluster.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import queue
 import socket
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from configs.engine_config import EngineConfig
 from executor.heap import freeze_startup_heap
+from executor.step_channel import open_step_listener
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import ModelInfo
 from model_executor.model_runner import ModelRunner
@@ -31,8 +37,59 @@ def find_free_port() -> int:
         return probe.getsockname()[1]
 
 
+class ComputeThread:
+    """One daemon thread that runs a worker actor's torch work, call after call.
+
+    Ray runs a worker's calls on the process's main thread, and the step channel's server is a loop of its own: if
+    both ran torch code, libgomp would give each of the two threads a team of OpenMP threads, and with more of its
+    threads than cores it throttles their spin-waits, so every parallel region starts with futex wake-ups (steps
+    15-20% slower, measured offline). On one thread, one team.
+    """
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_forever = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        if self.busy_forever:
+            raise RuntimeError("this worker's compute thread serves its step channel: steps go there")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((future, function, args))
+        return future.result()
+
+    def run_forever(self, loop: Callable[[], None]) -> None:
+        """Hand the thread a loop that keeps it (the step server); later calls are refused, not queued forever."""
+        self.busy_forever = True
+        self.jobs.put((None, loop, ()))
+
+    def _run(self) -> None:
+        while True:
+            future, function, args = self.jobs.get()
+            try:
+                result = function(*args)
+            except BaseException as error:
+                if future is None:
+                    logger.exception("the compute thread's loop failed")
+                else:
+                    future.set_exception(error)
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+
 class ModelWorker:
-    def __init__(self, model_info: ModelInfo, config: EngineConfig, pp_rank: int, tp_rank: int, num_threads: int):
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        config: EngineConfig,
+        pp_rank: int,
+        tp_rank: int,
+        num_threads: int,
+        compute_thread: bool = False,
+    ):
+        """`compute_thread`: run every torch call on a ComputeThread (a Ray actor, whose steps may come over a
+        step channel); in-process, the caller's thread runs them."""
         if not model_info.model_dir.exists():
             # On another node of the cluster: fetch or find the model there.
             model_info = dataclasses.replace(model_info, model_dir=resolve_model(config.model))
@@ -40,10 +97,14 @@ class ModelWorker:
         self.config = config
         self.pp_rank = pp_rank
         self.tp_rank = tp_rank
+        self.compute = ComputeThread(f"model-pp{pp_rank}-tp{tp_rank}") if compute_thread else None
         # Ray sets OMP_NUM_THREADS=1 in workers; each worker takes its own share of the cores instead.
-        torch.set_num_threads(num_threads)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        self._on_compute(torch.set_num_threads, num_threads)  # a per-thread setting in OpenMP
         self.runner: ModelRunner | None = None
+
+    def _on_compute(self, function: Callable[..., Any], *args: Any) -> Any:
+        return function(*args) if self.compute is None else self.compute.call(function, *args)
 
     def address_and_free_port(self) -> tuple[str, int]:
         import ray
@@ -52,6 +113,9 @@ class ModelWorker:
 
     def init_distributed(self, master_address: str, master_port: int) -> None:
         """Join the world (NCCL on CUDA, gloo on CPU) and build every stage's tensor-parallel group."""
+        self._on_compute(self._init_distributed, master_address, master_port)
+
+    def _init_distributed(self, master_address: str, master_port: int) -> None:
         tp_size, pp_size = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         backend = "nccl" if self.model_info.device == "cuda" else "gloo"
         rank = self.pp_rank * tp_size + self.tp_rank
@@ -70,6 +134,9 @@ class ModelWorker:
 
     def load_model(self, show_progress: bool = False) -> int:
         """Load this rank's shard; returns how many KV blocks fit the configured memory budget here."""
+        return self._on_compute(self._load_model, show_progress)
+
+    def _load_model(self, show_progress: bool) -> int:
         parallel = getattr(self, "parallel", None) or ParallelContext()
         self.runner = ModelRunner(
             self.model_info,
@@ -85,13 +152,28 @@ class ModelWorker:
         return self.runner.num_kv_blocks_for_budget(int(self.config.kv_cache_memory_gib * 2**30))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._on_compute(self._allocate_kv_cache, num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         # Ranks of a parallel group would each need the same dummy plan at once; one rank warms up alone.
         if self.config.world_size == 1:
             self.runner.warm_up(self.config.max_num_batched_tokens)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self._on_compute(self._execute, plan)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """From now on the compute thread serves steps over a socket (see executor.step_channel) and `execute`
+        is refused; returns (host, port, secret)."""
+        import ray
+
+        if self.compute is None:
+            raise RuntimeError("a step channel needs the worker's compute thread (compute_thread=True)")
+        return open_step_listener(ray.util.get_node_ip_address(), self._execute, self.compute.run_forever)
 
     def freeze_startup_heap(self) -> int:
         """In a worker process of its own (a Ray actor), once the model and cache are in: see executor.heap. Never

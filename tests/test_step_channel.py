@@ -1,0 +1,116 @@
+"""Steps from the scheduler actor to the model workers: over a socket per worker (the default) or as Ray actor calls.
+
+The channel itself is tested on real sockets in this process; both transports through a real scheduler actor and
+worker actor on the session's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import socket
+import threading
+import time
+
+import pytest
+import ray
+
+from configs.sampling_params import SamplingParams
+from executor.executors import EngineDeadError
+from executor.step_channel import StepChannel, StepChannelClosedError, frame, open_step_listener
+from model_executor.step_plan import StepPlan
+from tests.test_engine_actor import collect, start_engine
+
+
+def start_on_a_thread(loop) -> None:
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def double_or_fail(value: int) -> int:
+    if value == GONE:
+        raise SystemExit  # not an Exception: the step server's thread ends and its socket closes, as in a dead worker
+    if value < 0:
+        raise ValueError(f"negative step {value}")
+    return 2 * value
+
+
+GONE = 99
+
+
+def test_the_channel_runs_steps_in_order_reports_failures_and_refuses_strangers():
+    host, port, secret = open_step_listener("127.0.0.1", double_or_fail, start_on_a_thread)
+
+    async def drive() -> None:
+        # A connection without the secret is closed, and the real one still gets in after it.
+        stranger = socket.create_connection((host, port), timeout=10)
+        stranger.sendall(frame(b"x" * len(secret)))
+        assert stranger.recv(1) == b""
+        stranger.close()
+        channel = await StepChannel.connect(host, port, secret, "test worker")
+        replies = [channel.send(pickle.dumps(value)) for value in (1, 2, -3, 4, GONE, 5)]
+        assert await replies[0] == 2 and await replies[1] == 4
+        with pytest.raises(RuntimeError, match="test worker failed a step") as failure:
+            await replies[2]
+        assert "ValueError: negative step -3" in str(failure.value)
+        assert await replies[3] == 8  # a failed step does not end the channel; the engine decides that
+        # The worker's end going away fails what is pending at once, and every later send.
+        for reply in replies[4:]:
+            with pytest.raises(StepChannelClosedError, match="the worker is gone"):
+                await asyncio.wait_for(reply, 10)
+        with pytest.raises(StepChannelClosedError):
+            await channel.send(pickle.dumps(6))
+
+    asyncio.run(asyncio.wait_for(drive(), 30))
+
+
+@pytest.fixture(params=["socket", "ray"])
+def engine_on(request, ray_cluster, tiny_model_dir):
+    actor = start_engine(tiny_model_dir, step_transport=request.param)
+    yield request.param, actor
+    ray.kill(actor)
+
+
+def test_both_transports_give_the_offline_engines_greedy_tokens(engine_on, make_llm, tiny_model_dir):
+    transport, engine = engine_on
+    prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13], "c": [3] * 20}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        ray.get(engine.add_request.remote("client", request_id, prompt, params), timeout=30)
+    served = collect(engine, "client", set(prompts))["tokens"]
+    offline = make_llm(tiny_model_dir, num_kv_blocks=64, num_threads=1).generate(
+        list(prompts.values()), params, use_tqdm=False
+    )
+    assert served == {rid: out.outputs[0].token_ids for rid, out in zip(prompts, offline, strict=True)}
+    worker = ray.get(engine.worker_handles.remote(), timeout=30)[0]
+    if transport == "socket":
+        # Steps run only where the channel sends them: an actor call must not start a second one beside it.
+        with pytest.raises(ray.exceptions.RayTaskError, match="serves its step channel"):
+            ray.get(worker.execute.remote(StepPlan()), timeout=30)
+    else:
+        assert ray.get(worker.execute.remote(StepPlan()), timeout=30).request_ids == []
+
+
+def test_a_killed_worker_fails_the_running_request_fast_on_either_transport(engine_on):
+    _, engine = engine_on
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    ray.get(engine.add_request.remote("client", "long", [5, 6, 7], params), timeout=30)
+    ray.get(engine.get_outputs.remote("client"), timeout=30)
+    started = time.monotonic()
+    ray.kill(ray.get(engine.worker_handles.remote(), timeout=30)[0])
+    with pytest.raises(ray.exceptions.RayTaskError) as failure:
+        for _ in range(100):
+            ray.get(engine.get_outputs.remote("client"), timeout=30)
+    assert isinstance(failure.value.as_instanceof_cause(), EngineDeadError)
+    assert time.monotonic() - started < 30
+    # The engine rebuilds itself (a new worker, a new channel) and serves again.
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "no rebuild"
+        with contextlib.suppress(ray.exceptions.RayTaskError):
+            if ray.get(engine.stats.remote(), timeout=30)["num_rebuilds"] == 1:
+                break
+        time.sleep(0.5)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ray.get(engine.add_request.remote("client-2", "after", [5, 6, 7], short), timeout=30)
+    assert len(collect(engine, "client-2", {"after"})["tokens"]["after"]) == 4
