@@ -55,8 +55,8 @@ class ParallelSection(Section):
     greedy_screening: Literal["auto", "on", "off"] = Field(
         "auto", description="Greedy rows: bf16 LM head, exact fp32 argmax (see EngineConfig)."
     )
-    step_transport: Literal["socket", "ray"] = Field(
-        "socket", description="Steps to the workers over a socket per worker, or as Ray actor calls."
+    transport: Literal["socket", "ray"] = Field(
+        "socket", description="Steps and outputs over sockets, or as Ray calls (see EngineConfig)."
     )
 
 

@@ -73,11 +73,12 @@ class EngineConfig(BaseModel):
         "the bf16 error bound of the best; the same tokens, at about half the head's cost. auto: on CPUs with bf16 "
         "dot products (AVX512-BF16, AMX); on: anywhere (oneDNN emulates bf16 elsewhere, slower).",
     )
-    step_transport: Literal["socket", "ray"] = Field(
+    transport: Literal["socket", "ray"] = Field(
         "socket",
-        description="How the scheduler actor sends each step to the model workers: socket, a TCP connection per "
-        "worker opened at start-up (a pickle and a send each way, no Ray task: less CPU beside the model's "
-        "threads); ray, an actor call per step. Ray starts, health-checks and kills the workers either way.",
+        description="How the scheduler actor exchanges each step with the model workers and each step's outputs "
+        "with the ingress replicas: socket, a TCP connection per worker and per ingress (a pickle and a send each "
+        "way, no Ray task: less CPU beside the model's threads); ray, an actor call per step and a Ray streaming "
+        "generator of outputs. Ray starts, health-checks and kills every process either way.",
     )
     cuda_graph_max_batch_size: int = Field(
         256, ge=1, description="Largest decode batch with a CUDA graph (capped at max_num_seqs); larger run eagerly."

@@ -20,6 +20,8 @@ from configs.sampling_params import SamplingParams
 from executor.engine_core import EngineCore, EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError, RayExecutor
 from executor.heap import freeze_startup_heap, thaw_heap
+from executor.output_channel import accept_client, send_outputs
+from executor.step_channel import SECRET_BYTES
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import load_model_info
 
@@ -161,6 +163,8 @@ class EngineActor:
         self.num_rebuilds = 0
         self.num_steps = 0
         self.stream_buffer = StreamIntervalBuffer(config.stream_interval)
+        self.output_server_task: asyncio.Task | None = None
+        self.output_secret = os.urandom(SECRET_BYTES)
 
     def _build_core(self) -> EngineCore:
         import ray
@@ -184,7 +188,7 @@ class EngineActor:
     async def _new_core(self) -> EngineCore:
         """Workers up (in a thread: the event loop keeps answering), then their step channels opened on this loop."""
         core = await asyncio.to_thread(self._build_core)
-        if self.config.step_transport == "socket":
+        if self.config.transport == "socket":
             try:
                 await core.executor.open_step_channels()
             except BaseException:
@@ -414,6 +418,39 @@ class EngineActor:
             if self.client_streams.get(client_id) is stream:
                 del self.client_streams[client_id]
 
+    async def open_output_channel(self) -> tuple[str, int, bytes]:
+        """Where an ingress connects to read its outputs over a socket instead of `stream_outputs` (see
+        executor.output_channel): (host, port, secret)."""
+        if self.output_server_task is None:
+            self.output_server_task = background_task(self._start_output_server())
+        server = await asyncio.shield(self.output_server_task)
+        host, port = server.sockets[0].getsockname()[:2]
+        return host, port, self.output_secret
+
+    async def _start_output_server(self) -> asyncio.Server:
+        import ray
+
+        return await asyncio.start_server(self._serve_output_connection, ray.util.get_node_ip_address(), 0)
+
+    async def _serve_output_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client_id = await accept_client(reader, self.output_secret)
+        if client_id is None:
+            logger.warning("output channel refused a connection without the secret")
+            writer.close()
+            return
+        connection = object()
+        self.client_streams[client_id] = connection  # supersedes any older stream or connection of this client
+        try:
+            await send_outputs(
+                writer,
+                lambda: self._await_outputs(client_id),
+                lambda: self._take_outputs(client_id),
+                lambda: self.client_streams.get(client_id) is not connection,
+            )
+        finally:
+            if self.client_streams.get(client_id) is connection:
+                del self.client_streams[client_id]
+
     def _client_in_flight(self, client_id: str) -> bool:
         """Requests of this client still running, or a failure it has not been told of yet."""
         failed = client_id in self.client_failures or client_id in self.client_lease_failures
@@ -590,5 +627,8 @@ class EngineActor:
         for task in (self.loop_task, self.reaper_task):
             if task is not None:
                 task.cancel()
+        if self.output_server_task is not None and self.output_server_task.done():
+            with contextlib.suppress(Exception):
+                self.output_server_task.result().close()
         if self.core is not None:
             self.core.shutdown()

@@ -205,7 +205,8 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
         settings = self.config.serve
         creators = [functools.partial(get_or_create_engine, self.config, i) for i in range(settings.engine_replicas)]
-        self.clients = [EngineClient(create(), create) for create in creators]
+        transport = self.config.engine_config().transport
+        self.clients = [EngineClient(create(), create, transport) for create in creators]
         infos = [self._attach(client) for client in self.clients]
         # Replicas may differ in KV capacity; validate against the strictest.
         self.engine_info = min(infos, key=lambda info: info["max_model_len"])

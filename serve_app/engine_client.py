@@ -27,6 +27,7 @@ from executor.engine_actor import (
 )
 from executor.engine_core import EngineOutput
 from executor.executors import EngineDeadError, EngineOverloadedError
+from executor.output_channel import OutputChannel, OutputChannelClosedError
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,12 @@ class EngineClient:
     if it does not exist; it is called again when the actor is found dead.
     """
 
-    def __init__(self, engine: Any, create_engine: Callable[[], Any] | None = None):
+    def __init__(self, engine: Any, create_engine: Callable[[], Any] | None = None, transport: str = "socket"):
+        """`transport`: the engine's (EngineConfig.transport): outputs over a socket, or a Ray streaming generator."""
         self.engine = engine
         self.create_engine = create_engine
+        self.transport = transport
+        self.output_channel: OutputChannel | None = None
         self.client_id = uuid.uuid4().hex
         self.queues: dict[str, asyncio.Queue] = {}
         self.queued_at: dict[str, float] = {}
@@ -159,6 +163,9 @@ class EngineClient:
     async def _pump(self) -> None:
         """One output stream from the engine brings every new token of every request of this replica, a batch
         per step; it ends when nothing is left in flight, and a request submitted meanwhile starts the next."""
+        if self.transport == "socket":
+            await self._pump_channel()
+            return
         while self.queues:
             self._drop_orphans()
             self.submitted.clear()
@@ -169,17 +176,55 @@ class EngineClient:
                     self._dispatch(await batch)
                     self._drop_orphans()
             except Exception as error:
-                self.engine_error = unwrap_ray_error(error)
-                logger.error("engine unreachable: %s", self.engine_error)
-                for queue in self.queues.values():
-                    queue.put_nowait(self.engine_error)
-                self.on_engine_error(error)
+                self._fail_queues(error)
                 return
             if not received:
                 # Nothing of ours in flight there (final outputs still wait for their readers): until a new request
                 # comes, look again at the pace of a poll rather than in a loop of Ray calls.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.submitted.wait(), OUTPUT_POLL_TIMEOUT_S)
+
+    async def _pump_channel(self) -> None:
+        """The same over the output channel, which stays open between pumps (the engine sends an empty batch at
+        least every OUTPUT_POLL_TIMEOUT_S, so orphans are still looked for while nothing comes)."""
+        while self.queues:
+            self._drop_orphans()
+            try:
+                batch = await self._next_channel_batch()
+            except Exception as error:
+                self._fail_queues(error)
+                return
+            self._dispatch(batch)
+
+    async def _next_channel_batch(self) -> list[EngineOutput]:
+        channel = self.output_channel
+        if channel is None or channel.engine is not self.engine:
+            if channel is not None:
+                channel.close()  # the engine was replaced
+            self.output_channel = None
+            try:
+                channel = await OutputChannel.connect(self.engine, self.client_id)
+            except OSError as error:
+                raise EngineDeadError(f"cannot reach the scheduler actor's output channel: {error}") from error
+            self.output_channel = channel
+        try:
+            return await channel.next_batch()
+        except OutputChannelClosedError:
+            self.output_channel = None
+            # Closed with no error sent: raises RayActorError if the scheduler actor died, else connect again.
+            await self.engine.ping.remote(self.client_id)
+            return []
+        except BaseException:
+            self.output_channel = None  # the engine sent a failure and hung up
+            raise
+
+    def _fail_queues(self, error: BaseException) -> None:
+        """The engine failed this client's requests or is unreachable: every reader gets the error."""
+        self.engine_error = unwrap_ray_error(error)
+        logger.error("engine unreachable: %s", self.engine_error)
+        for queue in self.queues.values():
+            queue.put_nowait(self.engine_error)
+        self.on_engine_error(error)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         by_request: dict[str, list[EngineOutput]] = defaultdict(list)

@@ -23,13 +23,22 @@ from model_executor.step_plan import StepPlan
 from tests.test_engine_actor import collect, start_engine
 
 
+class WorkerGone(BaseException):
+    """Not an Exception: the step server does not reply to it, its loop ends and its socket closes, as when the
+    worker's process dies."""
+
+
 def start_on_a_thread(loop) -> None:
-    threading.Thread(target=loop, daemon=True).start()
+    def run() -> None:
+        with contextlib.suppress(WorkerGone):
+            loop()
+
+    threading.Thread(target=run, daemon=True).start()
 
 
 def double_or_fail(value: int) -> int:
     if value == GONE:
-        raise SystemExit  # not an Exception: the step server's thread ends and its socket closes, as in a dead worker
+        raise WorkerGone
     if value < 0:
         raise ValueError(f"negative step {value}")
     return 2 * value
@@ -66,7 +75,7 @@ def test_the_channel_runs_steps_in_order_reports_failures_and_refuses_strangers(
 
 @pytest.fixture(params=["socket", "ray"])
 def engine_on(request, ray_cluster, tiny_model_dir):
-    actor = start_engine(tiny_model_dir, step_transport=request.param)
+    actor = start_engine(tiny_model_dir, transport=request.param)
     yield request.param, actor
     ray.kill(actor)
 
@@ -114,3 +123,32 @@ def test_a_killed_worker_fails_the_running_request_fast_on_either_transport(engi
     short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ray.get(engine.add_request.remote("client-2", "after", [5, 6, 7], short), timeout=30)
     assert len(collect(engine, "client-2", {"after"})["tokens"]["after"]) == 4
+
+
+def test_the_ingress_reads_outputs_over_either_transport_and_the_output_channel_refuses_strangers(engine_on):
+    from serve_app.engine_client import EngineClient
+
+    transport, engine = engine_on
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def read_all() -> dict[str, list[int]]:
+        client = EngineClient(engine, transport=transport)
+        for request_id in ("x", "y"):
+            await client.submit(request_id, [5, 6, 7], params)
+        tokens = {}
+        for request_id in ("x", "y"):
+            chunks = [output async for outputs in client.outputs(request_id, 1) for output in outputs]
+            tokens[request_id] = [token for output in chunks for token in output.new_token_ids]
+            assert chunks[-1].finish_reason == "length"
+        # Over sockets the client holds one connection to the engine's output server, kept for the next request.
+        assert (client.output_channel is not None) == (transport == "socket")
+        return tokens
+
+    tokens = asyncio.run(asyncio.wait_for(read_all(), 120))
+    assert len(tokens["x"]) == 10 and tokens["x"] == tokens["y"]  # the same prompt, greedy
+    if transport == "socket":
+        host, port, _ = ray.get(engine.open_output_channel.remote(), timeout=30)
+        stranger = socket.create_connection((host, port), timeout=10)
+        stranger.sendall(frame(b"x" * 16 + b"someone-else"))
+        assert stranger.recv(1) == b""  # hung up on, nothing sent
+        stranger.close()
