@@ -17,18 +17,13 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from executor.step_channel import HEADER_BYTES, SECRET_BYTES, SECRET_TIMEOUT_S, frame
+from executor.step_channel import HEADER_BYTES, SECRET_BYTES, SECRET_TIMEOUT_S, frame, read_frame
 
 MAX_CLIENT_ID_BYTES = 256
 
 
 class OutputChannelClosedError(ConnectionError):
     """The scheduler actor's end closed without an error frame (it died, or a newer connection replaced this)."""
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    header = await reader.readexactly(HEADER_BYTES)
-    return await reader.readexactly(int.from_bytes(header, "little"))
 
 
 async def accept_client(reader: asyncio.StreamReader, secret: bytes) -> str | None:

@@ -41,6 +41,12 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(HEADER_BYTES, "little") + payload
 
 
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's payload from an asyncio stream (raises IncompleteReadError once the peer has closed)."""
+    header = await reader.readexactly(HEADER_BYTES)
+    return await reader.readexactly(int.from_bytes(header, "little"))
+
+
 def _receive_exactly(connection: socket.socket, num_bytes: int) -> bytes | None:
     """`num_bytes` bytes, or None once the peer has closed the connection."""
     chunks, remaining = [], num_bytes
@@ -152,9 +158,7 @@ class StepChannel:
     async def _read_replies(self) -> None:
         try:
             while True:
-                header = await self.reader.readexactly(HEADER_BYTES)
-                reply = await self.reader.readexactly(int.from_bytes(header, "little"))
-                ok, value = pickle.loads(reply)
+                ok, value = pickle.loads(await read_frame(self.reader))
                 future = self.pending.popleft()
                 if future.done():
                     continue  # its step was abandoned
