@@ -114,7 +114,21 @@ def cpu_used_s(before: dict[int, tuple[str, float]], after: dict[int, tuple[str,
 IDLE_WINDOW_S = 20.0
 
 
-def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, Any]]:
+# Steps of the batch-1 roofline timed on each side of the one-stream run (~1.6 s each): this VM's memory bandwidth
+# drifts by 10-20% from minute to minute, and the baselines' roofline of 20 steps minutes later moved with it.
+ROOFLINE_AROUND_STEPS = 100
+
+
+def batch1_roofline_tok_per_s(model_dir: str) -> float:
+    """Our linears alone at batch 1 (the LM head as the engine runs it for greedy rows), median of a few seconds."""
+    from cluster.baselines import matmul_roofline
+
+    return matmul_roofline(model_dir, 1, ROOFLINE_AROUND_STEPS, show_progress=False)["tok_per_s"]
+
+
+def bench_server(
+    name: str, port: int, server_pid: int, roofline_model_dir: str | None = None
+) -> dict[str, dict[str, Any]]:
     # What the server's processes burn with no request at all (heartbeats, metrics, polling loops).
     before = process_tree_cpu_s(server_pid)
     time.sleep(IDLE_WINDOW_S)
@@ -127,11 +141,16 @@ def bench_server(name: str, port: int, server_pid: int) -> dict[str, dict[str, A
             "disable_tqdm": True,
             **settings,
         }
+        bracket = roofline_model_dir is not None and scenario == "1 stream"
+        roofline_before = batch1_roofline_tok_per_s(roofline_model_dir) if bracket else None
         before, client_before = process_tree_cpu_s(server_pid), time.process_time()
         result = asyncio.run(run_benchmark(config))
         after, client_s = process_tree_cpu_s(server_pid), time.process_time() - client_before
         ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
         results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
+        if bracket:
+            roofline_after = batch1_roofline_tok_per_s(roofline_model_dir)
+            results[scenario]["batch1_roofline_tok_per_s"] = {"before": roofline_before, "after": roofline_after}
         # Where the machine's CPU went during the run: each server process, and this benchmark client.
         results[scenario]["cpu_s"] = {**cpu_used_s(before, after), "bench client": client_s}
     return results
@@ -250,7 +269,8 @@ def main() -> int:
         600,
     )
     try:
-        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid)
+        roofline_model_dir = model_dir if args.baselines else None
+        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid, roofline_model_dir)
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
             # A fresh seed: the first run's prompts are in the prefix cache now.
@@ -328,9 +348,17 @@ def print_report(report: dict[str, Any]) -> None:
         )
         ratios["64 streams tok/s vs HF best static batch"] = baselines["ratio_ours_vs_hf_best"]
         ratios["64 streams tok/s vs matmul roofline"] = baselines["ratio_ours_vs_roofline"]
-        ratios["1 stream tok/s vs batch-1 roofline"] = (
-            ours["1 stream"]["output_throughput"] / baselines["roofline_batch1_tok_per_s"]
-        )
+        around = ours["1 stream"].get("batch1_roofline_tok_per_s")
+        if around:
+            # The step times' mean: the roofline over the minutes of the run, whichever side drifted.
+            roofline = 2 / (1 / around["before"] + 1 / around["after"])
+            print(
+                f"batch-1 roofline timed around the 1-stream run: {around['before']:.1f} before, "
+                f"{around['after']:.1f} after, {roofline:.1f} tok/s"
+            )
+        else:
+            roofline = baselines["roofline_batch1_tok_per_s"]
+        ratios["1 stream tok/s vs batch-1 roofline"] = ours["1 stream"]["output_throughput"] / roofline
     ratios["offline beside idle Ray / offline, 64 streams"] = (
         offline["64 streams offline beside idle Ray tok/s"] / offline["64 streams offline tok/s"]
     )
