@@ -17,7 +17,14 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from executor.step_channel import HEADER_BYTES, SECRET_BYTES, SECRET_TIMEOUT_S, frame, read_frame
+from executor.step_channel import (
+    HEADER_BYTES,
+    SECRET_BYTES,
+    SECRET_TIMEOUT_S,
+    frame,
+    open_framed_connection,
+    read_frame,
+)
 
 MAX_CLIENT_ID_BYTES = 256
 
@@ -81,10 +88,7 @@ class OutputChannel:
     @classmethod
     async def connect(cls, engine: Any, client_id: str) -> OutputChannel:
         host, port, secret = await engine.open_output_channel.remote()
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(frame(secret + client_id.encode()))
-        return cls(engine, reader, writer)
+        return cls(engine, *await open_framed_connection(host, port, secret + client_id.encode()))
 
     async def next_batch(self) -> list:
         """The next batch; raises the client's failure as the engine sent it, or OutputChannelClosedError."""

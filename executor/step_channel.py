@@ -47,6 +47,17 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(int.from_bytes(header, "little"))
 
 
+async def open_framed_connection(
+    host: str, port: int, hello: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect (no Nagle delay: every frame is a whole message someone waits for) and send `hello` as the first
+    frame (the secret, and whatever else the listener expects with it)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    writer.write(frame(hello))
+    return reader, writer
+
+
 def _receive_exactly(connection: socket.socket, num_bytes: int) -> bytes | None:
     """`num_bytes` bytes, or None once the peer has closed the connection."""
     chunks, remaining = [], num_bytes
@@ -140,10 +151,7 @@ class StepChannel:
 
     @classmethod
     async def connect(cls, host: str, port: int, secret: bytes, name: str) -> StepChannel:
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(frame(secret))
-        return cls(reader, writer, name)
+        return cls(*await open_framed_connection(host, port, secret), name)
 
     def send(self, payload: bytes) -> asyncio.Future:
         """Queue a pickled plan behind any still running; the future resolves to the worker's reply."""
