@@ -115,11 +115,24 @@ def ray_cluster() -> Any:
 
 
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: every probe stays bound until all are picked (the OS may hand a just-closed port out
+    again, and a Ray head given the same port twice fails to start)."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    probes = []
+    try:
+        for _ in range(count):
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            probes.append(probe)
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 @pytest.fixture(scope="session")

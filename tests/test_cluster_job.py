@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def write_tiny_config(directory: Path, serve_port: int) -> Path:
 def head(tmp_path_factory):
     """A separate head on free ports in its own temp dir; only its own processes are stopped at the end."""
     temp_dir = Path("/tmp") / f"ps-head-{os.getpid()}"
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, *agent_ports = free_ports(7)
     # The job's `python` is whatever the head's PATH finds: this venv, as on a cluster built from one image.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -55,11 +55,11 @@ def head(tmp_path_factory):
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
             # Free ports for every agent, or a second cluster on this machine (the test session's) collides.
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={agent_ports[0]}",
+            f"--dashboard-agent-grpc-port={agent_ports[1]}",
+            f"--metrics-export-port={agent_ports[2]}",
+            f"--runtime-env-agent-port={agent_ports[3]}",
+            f"--ray-client-server-port={agent_ports[4]}",
         ],
         check=True,
         env=env,

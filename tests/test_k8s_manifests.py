@@ -13,7 +13,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from configs.app_config import AppConfig
+from tests.conftest import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -420,20 +420,6 @@ def test_grafana_dashboard_queries_exported_metrics() -> None:
 
 
 # --- 3. the serveConfigV2 deployed on a real local Ray head --------------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports: every socket stays bound until all are picked."""
-    sockets = []
-    try:
-        for _ in range(count):
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            sockets.append(probe)
-        return [probe.getsockname()[1] for probe in sockets]
-    finally:
-        for probe in sockets:
-            probe.close()
 
 
 def cpu_applications(model: str, port: int) -> dict[str, Any]:
