@@ -83,10 +83,7 @@ class ModelRunner:
             GreedyScreen.build(lm_head.weight, lm_head.linear_kernel_ops, greedy_screening) if lm_head else None
         )
         if self.model.prepare_decode_stack():
-            logger.info(
-                "decode steps of up to %d tokens run the decoder stack in one C++ call",
-                self.model.decode_stack_max_tokens,
-            )
+            logger.info("decode steps run the decoder stack in one C++ call")
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0

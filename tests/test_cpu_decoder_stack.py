@@ -16,9 +16,15 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 320
 
 
-def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaForCausalLM:
+def random_llama(
+    pp_rank: int = 0, pp_size: int = 1, packed_linear_past_rows: int | None = None, **overrides: Any
+) -> LlamaForCausalLM:
+    """With `packed_linear_past_rows`, the layers' weights are packed for oneDNN (as the engine loads them) and the
+    stack runs projections of more tokens than that on oneDNN's GEMM; without, our linear kernel takes them all."""
     # Imported here: transformers' config import loads triton, which the Triton tests must import first.
     from transformers import LlamaConfig
+
+    from model_executor.layers.linear import PackableWeight
 
     settings = {
         "vocab_size": 300,
@@ -39,11 +45,29 @@ def random_llama(pp_rank: int = 0, pp_size: int = 1, **overrides: Any) -> LlamaF
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.2 * torch.randn_like(param))
+    if packed_linear_past_rows is not None:
+        for module in model.modules():
+            if isinstance(module, PackableWeight):
+                module.pack_weights()
+        assert model.layers["0"].mlp.gate_up_proj.packed_weight is not None
     assert model.prepare_decode_stack()
-    # The engine routes decode steps up to this machine's measured linear-kernel crossover to the stack; the stack
-    # itself takes any number, and these tests fix the limit so their larger batches take it on every machine.
-    model.decode_stack_max_tokens = 64
+    if packed_linear_past_rows is not None:
+        rebuild_stack_with_crossover(model, packed_linear_past_rows)
     return model
+
+
+def rebuild_stack_with_crossover(model: LlamaForCausalLM, linear_kernel_max_rows: int) -> None:
+    """The model's stack built again with a fixed crossover instead of this machine's measured one."""
+    import cuda_ext.linear_crossover as crossover
+    import model_executor.models.llama as llama
+
+    original = llama.kernel_max_rows
+    llama.kernel_max_rows = lambda ops: linear_kernel_max_rows
+    try:
+        assert model.prepare_decode_stack()
+    finally:
+        llama.kernel_max_rows = original
+    assert crossover.kernel_max_rows is original
 
 
 def new_caches(model: LlamaForCausalLM) -> list[torch.Tensor]:
@@ -80,6 +104,11 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
     ("overrides", "pp_rank", "pp_size"),
     [
         ({}, 0, 1),
+        # Projections of more than 2 tokens on oneDNN's GEMM over the packed weights (the engine's path past the
+        # crossover), with and without biases, and into a later pipeline stage.
+        ({"packed_linear_past_rows": 2}, 0, 1),
+        ({"packed_linear_past_rows": 2, "attention_bias": True, "mlp_bias": True}, 0, 1),
+        ({"packed_linear_past_rows": 2}, 0, 2),
         ({"attention_bias": True, "mlp_bias": True}, 0, 1),
         ({"sliding_window": 6}, 0, 1),
         # hidden 40 and head_dim 10: the scalar tails of every vector loop; one KV head for all four.
@@ -143,18 +172,17 @@ def test_decode_tokens_through_the_stack_match_layer_by_layer(
     assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)
 
 
-def test_more_decodes_than_the_stack_takes_run_layer_by_layer() -> None:
-    """Past the rows where our linear kernel beats oneDNN's GEMM, the stack must not be called at all."""
+def test_a_step_with_a_prefill_chunk_runs_layer_by_layer() -> None:
+    """The stack takes decode tokens only: a step that also prefills a prompt chunk must not call it."""
     model = random_llama()
-    assert model.decode_stack_max_tokens >= 8
-    num_cached = [2] * (model.decode_stack_max_tokens + 1)
-    tables = [list(range(i * 2, i * 2 + 2)) for i in range(len(num_cached))]
+    num_cached = [2] * 5
+    tables = [list(range(i * 3, i * 3 + 3)) for i in range(len(num_cached) + 1)]
     caches = new_caches(model)
-    for cached, table in zip(num_cached, tables, strict=True):
+    for cached, table in zip(num_cached, tables[:-1], strict=True):
         run(model, caches, attention_batch([cached], [0], [table]), None)
     model.decode_stack = "not a stack"  # calling it would raise
-    output = run(model, caches, attention_batch([1] * len(num_cached), num_cached, tables), None)
-    assert output.shape == (len(num_cached), model.config.hidden_size)
+    output = run(model, caches, attention_batch([1] * len(num_cached) + [4], [*num_cached, 0], tables), None)
+    assert output.shape == (len(num_cached) + 4, model.config.hidden_size)
 
 
 def test_a_slot_outside_the_cache_is_refused_not_written() -> None:

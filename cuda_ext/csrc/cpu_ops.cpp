@@ -9,6 +9,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <array>
@@ -266,8 +267,32 @@ struct CacheRowCursor {
   }
 };
 
+// Rows a decode head asks memory for ahead of its dot products: a block's worth. A request's blocks lie anywhere
+// in the cache, so the hardware prefetcher stops at each block's end; without this a head read its keys and
+// values at ~25 GB/s on a machine that streams 41.
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks for one cache row of `row_bytes` (its 64-byte lines) into L1 (T0) or L2 (T1).
+template <int kHint>
+inline void prefetch_row(const float* row, int64_t row_bytes) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < row_bytes; line += 64) {
+    _mm_prefetch(bytes + line, static_cast<_mm_hint>(kHint));
+  }
+}
+
+// The first `count` rows of a head's keys and values into L2: what the head after the current one reads first.
+inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int64_t count, int64_t row_bytes) {
+  for (int64_t i = 0; i < count; ++i, keys.next(), values.next()) {
+    prefetch_row<_MM_HINT_T1>(keys.row(), row_bytes);
+    prefetch_row<_MM_HINT_T1>(values.row(), row_bytes);
+  }
+}
+
 // One fp32 head of decode attention with head_dim = kChunks * kLanes: the query and the output accumulators
 // live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
+// `fetch_ahead`: the first head of its KV head's group, which reads the rows from memory (the others find them in
+// cache); it asks for each key row kPrefetchRows ahead of its dot product and for each value row meanwhile.
 template <int64_t kChunks>
 void attend_head_lanes(
     const float* query,
@@ -276,15 +301,35 @@ void attend_head_lanes(
     CacheRowCursor values,
     int64_t num_keys,
     float* scores,
-    float* output) {
+    float* output,
+    bool fetch_ahead) {
   Lanes scaled_query[kChunks];
   for (int64_t c = 0; c < kChunks; ++c) {
     scaled_query[c] = load_lanes(query + c * kLanes) * scale;
+  }
+  constexpr int64_t kRowBytes = kChunks * kLanes * sizeof(float);
+  CacheRowCursor keys_ahead = keys;
+  CacheRowCursor values_ahead = values;
+  int64_t num_ahead = 0;
+  if (fetch_ahead) {
+    for (; num_ahead < std::min(kPrefetchRows, num_keys); ++num_ahead, keys_ahead.next()) {
+      prefetch_row<_MM_HINT_T0>(keys_ahead.row(), kRowBytes);
+    }
   }
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t key = 0; key < num_keys; key += kKeyTile) {
     const int64_t count = std::min(kKeyTile, num_keys - key);
     Lanes partials[kKeyTile] = {};
+    if (fetch_ahead) {
+      for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
+        if (num_ahead < num_keys) {
+          prefetch_row<_MM_HINT_T0>(keys_ahead.row(), kRowBytes);
+          keys_ahead.next();
+          ++num_ahead;
+        }
+        prefetch_row<_MM_HINT_T1>(values_ahead.row(), kRowBytes);
+      }
+    }
     for (int64_t i = 0; i < count; ++i, keys.next()) {
       const float* row = keys.row();
       Lanes dot = scaled_query[0] * load_lanes(row);
@@ -328,7 +373,7 @@ void attend_head_lanes(
   }
 }
 
-using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*);
+using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*, bool);
 
 // The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
 inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
@@ -404,8 +449,24 @@ void decode_attention_kernel(
               first / cache.block_size, first % cache.block_size};
           CacheRowCursor values = keys;
           values.cache = cache.values + kv_offset;
-          attend_lanes(
-              head_query, scale, keys, values, num_keys, scores.data(), output + seq * output_stride + head * head_dim);
+          const bool group_leader = head % group == 0;
+          if (group_leader && item + group < end) {
+            // The next group's first rows come in while this group's heads compute.
+            const int64_t next_seq = (item + group) / num_heads;
+            const int64_t next_len = seq_lens[next_seq];
+            const int64_t next_first =
+                sliding_window > 0 ? std::max<int64_t>(0, next_len - sliding_window) : 0;
+            const CacheRowCursor next_keys{
+                cache.keys + (((item + group) % num_heads) / group) * head_dim,
+                cache.block_tables + next_seq * cache.max_blocks, cache.block_size, cache.block_stride,
+                cache.token_stride, next_first / cache.block_size, next_first % cache.block_size};
+            CacheRowCursor next_values = next_keys;
+            next_values.cache = cache.values + (next_keys.cache - cache.keys);
+            prefetch_head_start(next_keys, next_values, std::min(kPrefetchRows, next_len - next_first),
+                                head_dim * static_cast<int64_t>(sizeof(float)));
+          }
+          attend_lanes(head_query, scale, keys, values, num_keys, scores.data(),
+                       output + seq * output_stride + head * head_dim, group_leader);
           continue;
         }
       }
@@ -1211,27 +1272,34 @@ torch::Tensor screened_greedy(const torch::Tensor& approx_logits, const torch::T
 
 // fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
 // the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
-// and the SwiGLU MLP. At a handful of tokens a step is ~30 small ops per layer, whose Python and dispatch overhead
-// was about a fifth of the step; the matrix products (linear_tokens_kernel) stream each weight from memory once.
+// and the SwiGLU MLP. A step is ~30 small ops per layer, whose Python and dispatch overhead cost 2-2.5 ms a step
+// (a fifth of a one-token step). Projections of up to `linear_kernel_max_rows` tokens run linear_tokens_kernel
+// (each weight streamed from memory once); more, oneDNN's GEMM on the layer's packed weight where it has one.
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              int64_t sliding_window)
+              int64_t sliding_window, int64_t linear_kernel_max_rows)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)),
-        sliding_window_(sliding_window) {
+        sliding_window_(sliding_window),
+        linear_kernel_max_rows_(linear_kernel_max_rows) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
     TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
   }
 
-  // Biases may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with contiguous rows.
+  // Biases and packed weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
+  // contiguous rows; a packed weight is the same weight in oneDNN's blocked layout (torch's
+  // mkldnn::_reorder_linear_weight).
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
                  const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                  const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
-                 const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias) {
+                 const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias,
+                 const std::optional<torch::Tensor>& qkv_packed, const std::optional<torch::Tensor>& o_packed,
+                 const std::optional<torch::Tensor>& gate_up_packed,
+                 const std::optional<torch::Tensor>& down_packed) {
     const int64_t hidden = input_norm.size(0);
     const int64_t q_size = num_heads_ * head_dim_;
     const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -1243,10 +1311,13 @@ class DecodeStack {
     check_vector(input_norm, hidden, "input_norm");
     check_vector(post_norm, hidden, "post_norm");
     TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
-    layers_.push_back(Layer{input_norm, qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), o,
-                            bias_or_empty(o_bias, hidden, "o bias"), post_norm, gate_up,
-                            bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"), down,
-                            bias_or_empty(down_bias, hidden, "down bias")});
+    layers_.push_back(Layer{input_norm,
+                            Linear{qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), packed_or_empty(qkv_packed)},
+                            Linear{o, bias_or_empty(o_bias, hidden, "o bias"), packed_or_empty(o_packed)},
+                            post_norm,
+                            Linear{gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
+                                   packed_or_empty(gate_up_packed)},
+                            Linear{down, bias_or_empty(down_bias, hidden, "down bias"), packed_or_empty(down_packed)}});
     hidden_ = hidden;
     inter_ = inter;
   }
@@ -1290,7 +1361,11 @@ class DecodeStack {
     attended_.resize(num_tokens * q_size);
     gate_up_.resize(num_tokens * 2 * inter_);
     activated_.resize(num_tokens * inter_);
-    float* x = hidden.data_ptr<float>();
+    float* const hidden_out = hidden.data_ptr<float>();
+    // The stream of layer inputs: `hidden` itself, or the tensor oneDNN's GEMM wrote the last projection into
+    // (kept alive in `x_owner`; every buffer in this loop has rows of its projection's width, whoever owns it).
+    float* x = hidden_out;
+    torch::Tensor x_owner, qkv_owner, gate_up_owner;
     float* stream = residual.data_ptr<float>();
     if (!has_residual) {
       // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
@@ -1310,9 +1385,9 @@ class DecodeStack {
         add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.input_norm.data_ptr<float>(),
                                 hidden_, eps_);
       }
-      project(layer.qkv, layer.qkv_bias, x, hidden_, num_tokens, qkv_.data(), qkv_rows);
+      float* qkv = project(layer.qkv, x, hidden_, num_tokens, qkv_.data(), qkv_owner);
       for (int64_t token = 0; token < num_tokens; ++token) {
-        float* token_qkv = qkv_.data() + token * qkv_rows;
+        float* token_qkv = qkv + token * qkv_rows;
         const float* cos_row = cos.data_ptr<float>() + token * half;
         const float* sin_row = sin.data_ptr<float>() + token * half;
         rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
@@ -1326,26 +1401,35 @@ class DecodeStack {
       }
       const PagedCache<float> paged{key_cache, value_cache, block_tables.data_ptr<int32_t>(),
                                     width, block_size, cache.stride(1), cache.stride(2)};
-      decode_attention_kernel<float>(qkv_.data(), paged, attended_.data(), lens, num_tokens, num_heads_,
-                                     num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, sliding_window_);
-      project(layer.o, layer.o_bias, attended_.data(), q_size, num_tokens, x, hidden_);
+      decode_attention_kernel<float>(qkv, paged, attended_.data(), lens, num_tokens, num_heads_, num_kv_heads_,
+                                     head_dim_, qkv_rows, q_size, scale_, sliding_window_);
+      x = project(layer.o, attended_.data(), q_size, num_tokens, hidden_out, x_owner);
 
       for (int64_t token = 0; token < num_tokens; ++token) {
         add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.post_norm.data_ptr<float>(),
                                 hidden_, eps_);
       }
-      project(layer.gate_up, layer.gate_up_bias, x, hidden_, num_tokens, gate_up_.data(), 2 * inter_);
+      const float* gate_up = project(layer.gate_up, x, hidden_, num_tokens, gate_up_.data(), gate_up_owner);
       for (int64_t token = 0; token < num_tokens; ++token) {
-        const float* gate = gate_up_.data() + token * 2 * inter_;
+        const float* gate = gate_up + token * 2 * inter_;
         silu_and_mul_row<float>(activated_.data() + token * inter_, gate, gate + inter_, inter_);
       }
-      project(layer.down, layer.down_bias, activated_.data(), inter_, num_tokens, x, hidden_);
+      x = project(layer.down, activated_.data(), inter_, num_tokens, hidden_out, x_owner);
+    }
+    if (x != hidden_out) {
+      std::memcpy(hidden_out, x, num_tokens * hidden_ * sizeof(float));
     }
   }
 
  private:
+  struct Linear {
+    torch::Tensor weight, bias, packed;  // bias and packed may be undefined
+  };
   struct Layer {
-    torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+    torch::Tensor input_norm;
+    Linear qkv, o;
+    torch::Tensor post_norm;
+    Linear gate_up, down;
   };
 
   static void check_matrix(const torch::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
@@ -1373,25 +1457,47 @@ class DecodeStack {
     return *bias;
   }
 
-  // out [tokens, rows] (row stride out_stride) = x [tokens, columns] (row stride x_stride) W^T + bias.
-  static void project(const torch::Tensor& weight, const torch::Tensor& bias, const float* x, int64_t x_stride,
-                      int64_t num_tokens, float* out, int64_t out_stride) {
-    const int64_t rows = weight.size(0);
-    linear_tokens_kernel(x, x_stride, num_tokens, weight.data_ptr<float>(), weight.stride(0), out, out_stride, rows,
-                         weight.size(1));
-    if (bias.defined()) {
-      const float* bias_data = bias.data_ptr<float>();
+  static torch::Tensor packed_or_empty(const std::optional<torch::Tensor>& packed) {
+    return packed.has_value() && packed->defined() ? *packed : torch::Tensor();
+  }
+
+  // x [tokens, columns] (contiguous rows) W^T + bias, with rows of the weight's out size: written to `out` by our
+  // kernel, or (past linear_kernel_max_rows_, given a packed weight) to a tensor of oneDNN's, held in `owner`.
+  // Returns where the result is.
+  float* project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out,
+                 torch::Tensor& owner) const {
+    const int64_t rows = linear.weight.size(0);
+    if (num_tokens > linear_kernel_max_rows_ && linear.packed.defined()) {
+      static const auto packed_linear =
+          c10::Dispatcher::singleton()
+              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                std::optional<c10::string_view>)>();
+      const torch::Tensor input =
+          torch::from_blob(const_cast<float*>(x), {num_tokens, columns}, torch::TensorOptions().dtype(torch::kFloat32));
+      const std::optional<at::Tensor> bias =
+          linear.bias.defined() ? std::optional<at::Tensor>(linear.bias) : std::nullopt;
+      owner = packed_linear.call(input, linear.packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+      return owner.data_ptr<float>();
+    }
+    linear_tokens_kernel(x, columns, num_tokens, linear.weight.data_ptr<float>(), linear.weight.stride(0), out, rows,
+                         rows, linear.weight.size(1));
+    if (linear.bias.defined()) {
+      const float* bias_data = linear.bias.data_ptr<float>();
       for (int64_t token = 0; token < num_tokens; ++token) {
         for (int64_t i = 0; i < rows; ++i) {
-          out[token * out_stride + i] += bias_data[i];
+          out[token * rows + i] += bias_data[i];
         }
       }
     }
+    return out;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_, scale_;
   int64_t sliding_window_;
+  int64_t linear_kernel_max_rows_;
   int64_t hidden_ = 0;
   int64_t inter_ = 0;
   std::vector<Layer> layers_;
@@ -1414,9 +1520,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // fp32 lanes per vector register of this build: how far linear_tokens beats a GEMM library depends on it.
   module.attr("vector_lanes") = kLanes;
   pybind11::class_<DecodeStack>(module, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
-           pybind11::arg("sliding_window"))
+           pybind11::arg("sliding_window"), pybind11::arg("linear_kernel_max_rows"))
       .def("add_layer", &DecodeStack::add_layer)
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -152,15 +152,14 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         # Set by prepare_decode_stack once the weights are loaded, where the C++ stack applies.
         self.decode_stack: Any = None
-        self.decode_stack_max_tokens = 0
 
     def prepare_decode_stack(self) -> bool:
-        """Decode steps of up to `kernel_max_rows` tokens (this machine's crossover of our linear kernel and oneDNN)
-        run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
+        """Decode steps run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
 
-        Its matrix products are our linear kernel (each weight streamed from memory once), and the ~30 other small
-        ops per layer, each a Python call and a dispatch on the layer-by-layer path, were about a fifth of a
-        one-token step.
+        The ~30 small ops per layer, each a Python call and a dispatch on the layer-by-layer path, cost 2-2.5 ms a
+        step whatever the batch (a fifth of a one-token step). The stack's projections run our linear kernel up to
+        `kernel_max_rows` tokens (this machine's crossover of that kernel and oneDNN's GEMM) and oneDNN's GEMM on
+        the layers' packed weights past it, as the layer-by-layer path does.
         """
         from cuda_ext.attention.cpu_backend import CpuAttentionBackend
         from cuda_ext.cpu_ops import load_cpu_ops
@@ -173,7 +172,6 @@ class LlamaForCausalLM(nn.Module):
             or self.parallel.tp_size != 1
             or not isinstance(attention, CpuAttentionBackend)
             or first_layer.self_attn.qkv_proj.weight.dtype != torch.float32
-            or kernel_max_rows(ops) == 0
         ):
             return False
         stack = ops.DecodeStack(
@@ -183,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
             eps=first_layer.input_layernorm.eps,
             scale=attention.scale,
             sliding_window=attention.sliding_window or 0,
+            linear_kernel_max_rows=kernel_max_rows(ops),
         )
         for layer in self.layers.values():
             attn, mlp = layer.self_attn, layer.mlp
@@ -197,10 +196,13 @@ class LlamaForCausalLM(nn.Module):
                 mlp.gate_up_proj.bias,
                 mlp.down_proj.weight,
                 mlp.down_proj.bias,
+                # None before pack_weights (or where oneDNN is off): our kernel then takes every row count.
+                attn.qkv_proj.packed_weight,
+                attn.o_proj.packed_weight,
+                mlp.gate_up_proj.packed_weight,
+                mlp.down_proj.packed_weight,
             )
         self.decode_stack = stack
-        # Its projections run our linear kernel: the stack applies as far as that kernel beats oneDNN's GEMM.
-        self.decode_stack_max_tokens = kernel_max_rows(ops)
         return True
 
     @property
@@ -229,11 +231,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden_states, residual = intermediate
         num_tokens = input_ids.shape[0]
-        if (
-            self.decode_stack is not None
-            and num_tokens <= self.decode_stack_max_tokens
-            and attn_metadata.num_decodes == num_tokens
-        ):
+        if self.decode_stack is not None and attn_metadata.num_decodes == num_tokens:
             has_residual = residual is not None
             if residual is None:
                 residual = torch.empty_like(hidden_states)
