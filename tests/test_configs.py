@@ -109,24 +109,17 @@ def test_serve_config_file_carries_an_app_config():
     assert AppConfig.model_validate(application["args"]).serve.app_name == application["name"]
 
 
-def test_embedded_ray_runs_serve_control_loop_and_log_listing_every_half_second_unless_told(tmp_path, monkeypatch):
+def test_embedded_ray_runs_serve_control_loop_every_half_second_unless_told(tmp_path, monkeypatch):
     """A Ray that `pagedserve serve` starts gets Serve's control loop at 0.5 s (Serve's 0.1 s costs 3% of a core,
-    idle) and its log monitor's listing of new log files at 0.5 s (every 0.1 s pass otherwise); a value in the
-    environment wins; direct ingress adds its own settings."""
+    idle); a value in the environment wins; direct ingress adds its own settings."""
     from cluster.serve import embedded_ray_env
 
     path = tmp_path / "config.yaml"
     path.write_text("serve:\n  port: 9100\n")
     config = AppConfig.from_yaml(path)
     monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", raising=False)
-    monkeypatch.delenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", raising=False)
-    assert embedded_ray_env(config, direct_ingress=False) == {
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
-    }
+    assert embedded_ray_env(config, direct_ingress=False) == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")
-    monkeypatch.setenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "1000")
     env = embedded_ray_env(config, direct_ingress=True)
     assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
-    assert env["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == "1000"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9100"

@@ -395,8 +395,7 @@ def test_graceful_shutdown_refuses_new_requests_finishes_or_ends_the_rest_and_le
 
 def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a_crash(tmp_path):
     """serve.direct_ingress: the ingress replica itself listens on serve.port (Serve's proxy on port + 1); a
-    replacement replica takes the port back at once after the first one is killed and its log reaches the console;
-    SIGTERM still drains."""
+    replacement replica takes the port back at once after the first one is killed; SIGTERM still drains."""
     port = free_port_for_direct_ingress()
     server, ray_tmpdir, log_path = start_pagedserve(tmp_path, port, app_name="direct", direct_ingress=True)
     base = f"http://127.0.0.1:{port}"
@@ -416,9 +415,6 @@ def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a
         assert len(replicas) == 1
         os.kill(replicas[0], signal.SIGKILL)
         wait_until(lambda: completes(base), 120, "a replacement replica serving the port")
-        # The new replica's log is a new file: Ray's log monitor still finds it and forwards it to the console.
-        started_line = f"Started HTTP server on port {port}"
-        wait_until(lambda: log_path.read_text().count(started_line) >= 2, 30, "the new replica's log on the console")
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     finally:
