@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
+from model_executor.models import llama
 from model_executor.models.llama import LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
@@ -45,29 +47,17 @@ def random_llama(
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.2 * torch.randn_like(param))
-    if packed_linear_past_rows is not None:
-        for module in model.modules():
-            if isinstance(module, PackableWeight):
-                module.pack_weights()
-        assert model.layers["0"].mlp.gate_up_proj.packed_weight is not None
-    assert model.prepare_decode_stack()
-    if packed_linear_past_rows is not None:
-        rebuild_stack_with_crossover(model, packed_linear_past_rows)
-    return model
-
-
-def rebuild_stack_with_crossover(model: LlamaForCausalLM, linear_kernel_max_rows: int) -> None:
-    """The model's stack built again with a fixed crossover instead of this machine's measured one."""
-    import cuda_ext.linear_crossover as crossover
-    import model_executor.models.llama as llama
-
-    original = llama.kernel_max_rows
-    llama.kernel_max_rows = lambda ops: linear_kernel_max_rows
-    try:
+    if packed_linear_past_rows is None:
         assert model.prepare_decode_stack()
-    finally:
-        llama.kernel_max_rows = original
-    assert crossover.kernel_max_rows is original
+        return model
+    for module in model.modules():
+        if isinstance(module, PackableWeight):
+            module.pack_weights()
+    assert model.layers["0"].mlp.gate_up_proj.packed_weight is not None
+    # A fixed crossover instead of this machine's measured one.
+    with mock.patch.object(llama, "kernel_max_rows", lambda ops: packed_linear_past_rows):
+        assert model.prepare_decode_stack()
+    return model
 
 
 def new_caches(model: LlamaForCausalLM) -> list[torch.Tensor]:
@@ -105,7 +95,7 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
     [
         ({}, 0, 1),
         # Projections of more than 2 tokens on oneDNN's GEMM over the packed weights (the engine's path past the
-        # crossover), with and without biases, and into a later pipeline stage.
+        # crossover), with and without biases, and in a first pipeline stage (which hands hidden and residual on).
         ({"packed_linear_past_rows": 2}, 0, 1),
         ({"packed_linear_past_rows": 2, "attention_bias": True, "mlp_bias": True}, 0, 1),
         ({"packed_linear_past_rows": 2}, 0, 2),

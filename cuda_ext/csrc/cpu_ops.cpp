@@ -272,20 +272,19 @@ struct CacheRowCursor {
 // block's end; without this a head read its keys and values at ~25 GB/s on a machine that streams 41.
 constexpr int64_t kPrefetchRows = 16;
 
-// Asks for one cache row of `row_bytes` (its 64-byte lines) into L1 (T0) or L2 (T1).
-template <int kHint>
+// Asks L2 for one cache row of `row_bytes` (its 64-byte lines).
 inline void prefetch_row(const float* row, int64_t row_bytes) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t line = 0; line < row_bytes; line += 64) {
-    _mm_prefetch(bytes + line, static_cast<_mm_hint>(kHint));
+    _mm_prefetch(bytes + line, _MM_HINT_T1);
   }
 }
 
 // The first `count` rows of a head's keys and values into L2: what the head after the current one reads first.
 inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int64_t count, int64_t row_bytes) {
   for (int64_t i = 0; i < count; ++i, keys.next(), values.next()) {
-    prefetch_row<_MM_HINT_T1>(keys.row(), row_bytes);
-    prefetch_row<_MM_HINT_T1>(values.row(), row_bytes);
+    prefetch_row(keys.row(), row_bytes);
+    prefetch_row(values.row(), row_bytes);
   }
 }
 
@@ -311,9 +310,16 @@ void attend_head_lanes(
   CacheRowCursor keys_ahead = keys;
   CacheRowCursor values_ahead = values;
   int64_t num_ahead = 0;
+  const auto ask_for_next_key = [&] {
+    if (num_ahead < num_keys) {
+      prefetch_row(keys_ahead.row(), kRowBytes);
+      keys_ahead.next();
+      ++num_ahead;
+    }
+  };
   if (fetch_ahead) {
-    for (; num_ahead < std::min(kPrefetchRows, num_keys); ++num_ahead, keys_ahead.next()) {
-      prefetch_row<_MM_HINT_T1>(keys_ahead.row(), kRowBytes);
+    for (int64_t i = 0; i < kPrefetchRows; ++i) {
+      ask_for_next_key();
     }
   }
   float max_score = -std::numeric_limits<float>::infinity();
@@ -322,12 +328,8 @@ void attend_head_lanes(
     Lanes partials[kKeyTile] = {};
     if (fetch_ahead) {
       for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
-        if (num_ahead < num_keys) {
-          prefetch_row<_MM_HINT_T1>(keys_ahead.row(), kRowBytes);
-          keys_ahead.next();
-          ++num_ahead;
-        }
-        prefetch_row<_MM_HINT_T1>(values_ahead.row(), kRowBytes);
+        ask_for_next_key();
+        prefetch_row(values_ahead.row(), kRowBytes);
       }
     }
     for (int64_t i = 0; i < count; ++i, keys.next()) {
@@ -424,6 +426,10 @@ void decode_attention_kernel(
   // stay in registers, and the request's keys and values come from memory for its first head and from L2 for
   // the others. Items rather than requests, so one long request still spreads over the threads.
   const int64_t work_per_head = cache.max_blocks * cache.block_size * head_dim * 2;
+  // A request's first key in attention: the window's start, or its first token.
+  const auto first_key = [sliding_window](int64_t seq_len) {
+    return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+  };
   AttendHeadLanes attend_lanes = nullptr;
   if constexpr (std::is_same_v<scalar_t, float>) {
     attend_lanes = attend_head_lanes_for(head_dim);
@@ -436,7 +442,7 @@ void decode_attention_kernel(
       const int64_t seq = item / num_heads;
       const int64_t head = item % num_heads;
       const int64_t seq_len = seq_lens[seq];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const int64_t first = first_key(seq_len);
       const int64_t num_keys = seq_len - first;
       const int32_t* table = cache.block_tables + seq * cache.max_blocks;
       scores.resize(num_keys + kKeyTile);
@@ -444,25 +450,26 @@ void decode_attention_kernel(
       const scalar_t* head_query = query + seq * query_stride + head * head_dim;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (attend_lanes != nullptr) {
-          const CacheRowCursor keys{
-              cache.keys + kv_offset, table, cache.block_size, cache.block_stride, cache.token_stride,
-              first / cache.block_size, first % cache.block_size};
-          CacheRowCursor values = keys;
-          values.cache = cache.values + kv_offset;
+          // Work item `of`'s rows of `base` (the key or value cache) from its first attended key.
+          const auto rows_of = [&](int64_t of, int64_t of_first, const float* base) {
+            return CacheRowCursor{base + ((of % num_heads) / group) * head_dim,
+                                  cache.block_tables + (of / num_heads) * cache.max_blocks,
+                                  cache.block_size,
+                                  cache.block_stride,
+                                  cache.token_stride,
+                                  of_first / cache.block_size,
+                                  of_first % cache.block_size};
+          };
+          const CacheRowCursor keys = rows_of(item, first, cache.keys);
+          const CacheRowCursor values = rows_of(item, first, cache.values);
           const bool group_leader = head % group == 0;
           if (group_leader && item + group < end) {
             // The next group's first rows come in while this group's heads compute.
-            const int64_t next_seq = (item + group) / num_heads;
-            const int64_t next_len = seq_lens[next_seq];
-            const int64_t next_first =
-                sliding_window > 0 ? std::max<int64_t>(0, next_len - sliding_window) : 0;
-            const CacheRowCursor next_keys{
-                cache.keys + (((item + group) % num_heads) / group) * head_dim,
-                cache.block_tables + next_seq * cache.max_blocks, cache.block_size, cache.block_stride,
-                cache.token_stride, next_first / cache.block_size, next_first % cache.block_size};
-            CacheRowCursor next_values = next_keys;
-            next_values.cache = cache.values + (next_keys.cache - cache.keys);
-            prefetch_head_start(next_keys, next_values, std::min(kPrefetchRows, next_len - next_first),
+            const int64_t next = item + group;
+            const int64_t next_len = seq_lens[next / num_heads];
+            const int64_t next_first = first_key(next_len);
+            prefetch_head_start(rows_of(next, next_first, cache.keys), rows_of(next, next_first, cache.values),
+                                std::min(kPrefetchRows, next_len - next_first),
                                 head_dim * static_cast<int64_t>(sizeof(float)));
           }
           attend_lanes(head_query, scale, keys, values, num_keys, scores.data(),
