@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -46,8 +47,10 @@ CONFIG = AppConfig.model_validate(
 )
 LONG = {"prompt": [5, 6, 7], "max_tokens": 1800, "ignore_eos": True}
 FAIL_FAST_S = 30.0
-# Long enough for 250 tokens of the tiny model, far too short for 1800.
-GRACE_S = 15.0
+# Graceful shutdown: the long request needs ten times the short one's decode steps (and fits the 2048-token context).
+SHORT_TOKENS, LONG_TOKENS = 200, 2000
+# Time to refuse a request and read /health while draining, before the grace period runs out.
+MIN_GRACE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -365,17 +368,26 @@ def test_graceful_shutdown_refuses_new_requests_finishes_or_ends_the_rest_and_le
     wait_until(idle_stats, 60, "idle engine")
     assert app_exists(CONFIG)
     parts = engine_parts(engine())
+    # The grace period comes from this machine's speed: three times what the short request takes alone, well under
+    # what the long one (ten times the tokens) needs, whatever the CPU.
+    started = time.monotonic()
+    stream_events(base, {**LONG, "max_tokens": SHORT_TOKENS, "stream": True})
+    grace_s = max(3 * (time.monotonic() - started), MIN_GRACE_S)
+    logging.getLogger(__name__).info("grace period %.1f s", grace_s)
     results: dict[str, list[str]] = {}
+    streaming = {name: threading.Event() for name in ("short", "long")}
 
     def run(name: str, max_tokens: int) -> None:
-        results[name] = stream_events(base, {**LONG, "max_tokens": max_tokens, "stream": True})
+        body = {**LONG, "max_tokens": max_tokens, "stream": True}
+        results[name] = stream_events(base, body, on_event=lambda _: streaming[name].set())
 
-    short = threading.Thread(target=run, args=("short", 250))
-    long = threading.Thread(target=run, args=("long", 1800))
+    short = threading.Thread(target=run, args=("short", SHORT_TOKENS))
+    long = threading.Thread(target=run, args=("long", LONG_TOKENS))
     short.start()
     long.start()
-    wait_until(lambda: ray.get(engine().stats.remote(), timeout=10)["num_running"] == 2, 30, "both running")
-    stopper = threading.Thread(target=shutdown, args=(CONFIG, GRACE_S, False))
+    # Both admitted before the drain starts (a token streamed each); the short one may already be done.
+    assert all(event.wait(30) for event in streaming.values()), "both streaming"
+    stopper = threading.Thread(target=shutdown, args=(CONFIG, grace_s, False))
     stopper.start()
     wait_until(lambda: ray.get(engine().stats.remote(), timeout=10)["draining"], 30, "draining")
     refused = httpx.post(f"{base}/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
