@@ -31,8 +31,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from cluster.bench_serve import run_benchmark
 
-    # httpx logs every request at INFO: hundreds of lines that bury the progress bar and the report.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     result = asyncio.run(run_benchmark(args))
     return 1 if result["summary"]["failed"] else 0
 
@@ -56,8 +54,6 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from cluster.soak import format_soak_report, run_soak, soak_config_from_args
     from configs.app_config import AppConfig
 
-    # httpx logs every request at INFO: thousands of lines in a soak.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     config = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     if args.port is not None:
         config = config.model_copy(update={"serve": config.serve.model_copy(update={"port": args.port})})

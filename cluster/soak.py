@@ -28,9 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
-from cluster.bench_serve import BenchConfig, RequestRecord, first_model_id, send_request, synthetic_prompts
+from cluster.bench_serve import (
+    BenchConfig,
+    RequestRecord,
+    client_session,
+    first_model_id,
+    send_request,
+    synthetic_prompts,
+)
 from configs.app_config import AppConfig
 
 logger = logging.getLogger(__name__)
@@ -70,10 +77,15 @@ def request_outcome(record: RequestRecord) -> str:
 
 
 async def one_request(
-    client: httpx.AsyncClient, bench: BenchConfig, model: str, prompt: str, hang_up_after: float | None, origin: float
+    session: aiohttp.ClientSession,
+    bench: BenchConfig,
+    model: str,
+    prompt: str,
+    hang_up_after: float | None,
+    origin: float,
 ) -> str:
     """Send one streamed request; hang up after `hang_up_after` seconds when given."""
-    request = send_request(client, bench, model, prompt, bench.output_len, origin)
+    request = send_request(session, bench, model, prompt, bench.output_len, origin)
     if hang_up_after is None:
         return request_outcome(await request)
     try:
@@ -83,12 +95,12 @@ async def one_request(
         return "disconnected"
 
 
-async def measure_capacity(client: httpx.AsyncClient, bench: BenchConfig, model: str, burst: int) -> float:
+async def measure_capacity(session: aiohttp.ClientSession, bench: BenchConfig, model: str, burst: int) -> float:
     """Completed requests per second for a burst sent all at once (the engine's batch kept full)."""
     prompts = synthetic_prompts(burst, bench.input_len, bench.seed + 7)
     origin = time.perf_counter()
     records = await asyncio.gather(
-        *(send_request(client, bench, model, prompt, bench.output_len, origin) for prompt in prompts)
+        *(send_request(session, bench, model, prompt, bench.output_len, origin) for prompt in prompts)
     )
     elapsed = time.perf_counter() - origin
     completed = sum(record.success for record in records)
@@ -98,7 +110,7 @@ async def measure_capacity(client: httpx.AsyncClient, bench: BenchConfig, model:
 
 
 async def offer_load(
-    client: httpx.AsyncClient, bench: BenchConfig, model: str, soak: SoakConfig, rate: float
+    session: aiohttp.ClientSession, bench: BenchConfig, model: str, soak: SoakConfig, rate: float
 ) -> tuple[Counter, float]:
     """Poisson arrivals at `rate` for `soak.duration_s`; returns the outcome counts and the load's wall time."""
     rng = random.Random(soak.seed)
@@ -110,7 +122,7 @@ async def offer_load(
     while time.perf_counter() < deadline:
         prompt = synthetic_prompts(1, soak.input_len, soak.seed * 1_000_003 + index)[0]
         hang_up_after = rng.uniform(0.01, 2 * expected_s) if rng.random() < soak.disconnect_fraction else None
-        tasks.append(asyncio.create_task(one_request(client, bench, model, prompt, hang_up_after, origin)))
+        tasks.append(asyncio.create_task(one_request(session, bench, model, prompt, hang_up_after, origin)))
         index += 1
         await asyncio.sleep(rng.expovariate(rate))
     outcomes = Counter(await asyncio.gather(*tasks))
@@ -160,14 +172,13 @@ async def soak_load(base_url: str, config: AppConfig, soak: SoakConfig) -> dict[
         seed=soak.seed,
         disable_tqdm=True,
     )
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(soak.request_timeout_s)) as client:
-        model = await first_model_id(client, base_url)
-        capacity = await measure_capacity(client, bench, model, min(2 * config.scheduler.max_num_seqs, 64))
+    async with client_session(max_connections=None) as session:
+        model = await first_model_id(session, base_url)
+        capacity = await measure_capacity(session, bench, model, min(2 * config.scheduler.max_num_seqs, 64))
         rate = soak.capacity_factor * capacity
         logger.info("capacity %.2f req/s; offering %.2f req/s for %.0f s", capacity, rate, soak.duration_s)
-        outcomes, load_s = await offer_load(client, bench, model, soak, rate)
-        final = await send_request(client, bench, model, "one last ordinary request", 8, time.perf_counter())
+        outcomes, load_s = await offer_load(session, bench, model, soak, rate)
+        final = await send_request(session, bench, model, "one last ordinary request", 8, time.perf_counter())
     return {"model": model, "capacity": capacity, "rate": rate, "outcomes": outcomes, "load_s": load_s, "final": final}
 
 

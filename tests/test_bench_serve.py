@@ -7,8 +7,8 @@ import asyncio
 import json
 import math
 
-import httpx
 import pytest
+from aiohttp import web
 
 from cluster.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
 from cluster.bench_serve import (
@@ -16,6 +16,7 @@ from cluster.bench_serve import (
     RequestRecord,
     arrival_gaps,
     baseline_model_dir,
+    client_session,
     format_report,
     parse_batch_sizes,
     percentile,
@@ -223,26 +224,33 @@ def test_hf_generate_throughput_on_the_tiny_model(tiny_model_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# SSE parsing on canned responses
-
-
-def canned(status: int, body: str) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body.encode(), headers={"content-type": "text/event-stream"})
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+# SSE parsing on canned responses from a real local HTTP server
 
 
 def sse_body(*payloads: dict | str) -> str:
     return "".join(f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n" for p in payloads)
 
 
-def send(client: httpx.AsyncClient, endpoint: str = "completions") -> RequestRecord:
-    config = BenchConfig(base_url="http://test/v1", endpoint=endpoint, timeout=10)
+def send(status: int, body: str, endpoint: str = "completions") -> RequestRecord:
+    """One bench request against a real HTTP server on this machine that answers with `body`."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body.encode(), content_type="text/event-stream")
 
     async def go() -> RequestRecord:
-        async with client:
-            return await send_request(client, config, "m", "hello", 3, 0.0)
+        app = web.Application()
+        app.router.add_post("/v1/{path:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            config = BenchConfig(base_url=f"http://127.0.0.1:{port}/v1", endpoint=endpoint, timeout=10)
+            async with client_session(max_connections=1) as session:
+                return await send_request(session, config, "m", "hello", 3, 0.0)
+        finally:
+            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -250,7 +258,7 @@ def send(client: httpx.AsyncClient, endpoint: str = "completions") -> RequestRec
 def test_stream_with_usage_counts_tokens_from_usage():
     text = [{"choices": [{"index": 0, "text": piece}]} for piece in ("a", "", "bc", "d")]
     usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}}
-    record = send(canned(200, ": keep-alive\n\n" + sse_body(*text, usage, "[DONE]")))
+    record = send(200, ": keep-alive\n\n" + sse_body(*text, usage, "[DONE]"))
     assert record.success, record.error
     assert record.output_tokens == 5
     assert record.prompt_tokens == 7
@@ -263,17 +271,17 @@ def test_chat_stream_without_usage_counts_chunks():
     chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
     chunks += [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in ("x", "y")]
     chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}]
-    record = send(canned(200, sse_body(*chunks, "[DONE]")), endpoint="chat")
+    record = send(200, sse_body(*chunks, "[DONE]"), endpoint="chat")
     assert record.success, record.error
     assert (record.output_tokens, record.prompt_tokens, record.usage_reported) == (2, None, False)
 
 
 def test_failures_are_recorded_not_raised():
-    record = send(canned(400, '{"error": {"message": "bad"}}'))
+    record = send(400, '{"error": {"message": "bad"}}')
     assert not record.success and record.error.startswith("HTTP 400")
-    record = send(canned(200, sse_body({"choices": [{"text": "a"}]}, {"error": {"message": "dead"}}, "[DONE]")))
+    record = send(200, sse_body({"choices": [{"text": "a"}]}, {"error": {"message": "dead"}}, "[DONE]"))
     assert not record.success and "dead" in record.error
-    record = send(canned(200, sse_body("[DONE]")))
+    record = send(200, sse_body("[DONE]"))
     assert not record.success and "without any generated text" in record.error
 
 
