@@ -1,13 +1,13 @@
 """Our C++ CPU kernels against the pure-torch path they replace, at SmolLM2-135M's shapes, per layer of one step.
 
-    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,96,128]
+    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,128,512]
 
 Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
 whole backend call (KV write + attention) on decode batches and prefill chunks over shuffled cache blocks (the
 prefill rows force our kernel past `PREFILL_KERNEL_MAX_KEYS`, to show where SDPA wins). A second table times a
 whole step's linears (SmolLM2's 120 layer matmuls on distinct random weights, so each streams from memory as in
-the model, plus the LM head) on oneDNN's packed GEMM (what the engine runs past `kernel_max_rows`) and on our
-kernel, at each row count: what `cuda_ext.linear_crossover` measures (on fewer layers) at set-up.
+the model, plus the LM head) at each row count on oneDNN's packed GEMM, on our dot-product kernel
+(`linear_tokens`, what the greedy screen runs) and on our panel kernel (`panel_linear`, what the engine runs).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
-from cuda_ext.linear_crossover import STEP_LINEAR_SHAPES, kernel_max_rows, step_timer
+from model_executor.layers.linear import PACKING_BATCH_HINT
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 9, 3, 64, 576, 1536, 16
+# SmolLM2-135M's layer matmuls ([out, in]: qkv, o, gate_up, down) x 30 layers, and its LM head: a decode step.
+STEP_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
 def time_us(fn: Callable[[], object], iterations: int) -> float:
@@ -75,7 +77,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--linear-rows", default="1,8,16,32,64,96,128", help="row counts of the linear-step table")
+    parser.add_argument("--linear-rows", default="1,8,16,32,64,128,512", help="row counts of the linear-step table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,23 +93,55 @@ def main() -> int:
     for name, torch_us, cpp_us in rows:
         print(f"| {name:<36} | {torch_us:>9.1f} | {cpp_us:>9.1f} | {torch_us / max(cpp_us, 1e-3):>6.2f}x |")
     print()
-    print(f"linears of up to {kernel_max_rows(load_cpu_ops())} rows take our kernel on this machine")
-    print(f"| {'a step of linears (121 weights)':<36} | {'oneDNN ms':>9} | {'ours ms':>9} | speedup |")
-    print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
-    for num_rows, onednn_ms, ours_ms in linear_step_rows([int(rows) for rows in args.linear_rows.split(",")]):
-        label = f"{num_rows} rows ({2 * num_rows * STEP_LINEAR_PARAMS / ours_ms / 1e6:.0f} GFLOP/s ours)"
-        print(f"| {label:<36} | {onednn_ms:>9.1f} | {ours_ms:>9.1f} | {onednn_ms / ours_ms:>6.2f}x |")
+    paths = ("oneDNN", "dot", "panel")
+    print(f"| {'a step of linears (121 weights)':<40} | " + " | ".join(f"{path + ' ms':>9}" for path in paths) + " |")
+    print(f"|{'-' * 42}|" + "|".join("-" * 11 for _ in paths) + "|")
+    for num_rows, timings in linear_step_rows([int(rows) for rows in args.linear_rows.split(",")]).items():
+        label = f"{num_rows} rows ({2 * num_rows * STEP_LINEAR_PARAMS / timings['panel'] / 1e6:.0f} GFLOP/s panel)"
+        print(f"| {label:<40} | " + " | ".join(f"{timings[path]:>9.1f}" for path in paths) + " |")
     return 0
 
 
 STEP_LINEAR_PARAMS = sum(rows * columns for rows, columns in STEP_LINEAR_SHAPES)
 
 
-def linear_step_rows(row_counts: list[int], repeats: int = 5) -> list[tuple[int, float, float]]:
-    """(rows, oneDNN ms, ours ms) for one step's linears: the median of `repeats` alternated steps."""
-    time_rows = step_timer(load_cpu_ops(), STEP_LINEAR_SHAPES)
-    timings = {rows: time_rows(rows, repeats) for rows in row_counts}
-    return [(rows, timing["oneDNN"], timing["ours"]) for rows, timing in timings.items()]
+def linear_step_rows(row_counts: list[int], repeats: int = 5) -> dict[int, dict[str, float]]:
+    """Per row count, each path's ms for one step's linears on distinct random weights (each streams from memory,
+    as in the model): the median of `repeats` steps, the paths alternated."""
+    ops = load_cpu_ops()
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(rows, columns, generator=generator) for rows, columns in STEP_LINEAR_SHAPES]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT) for weight in weights]
+    panels = [ops.pack_panels(weight) for weight in weights]
+
+    def onednn_step(inputs: dict[int, torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        for weight in onednn:
+            torch.ops.mkldnn._linear_pointwise(inputs[weight.shape[1]], weight, None, "none", [], "")
+
+    def dot_step(inputs: dict[int, torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        for weight, out in zip(weights, outputs, strict=True):
+            ops.linear_tokens(out, inputs[weight.shape[1]], weight)
+
+    def panel_step(inputs: dict[int, torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        for weight, panel, out in zip(weights, panels, outputs, strict=True):
+            ops.panel_linear(out, inputs[weight.shape[1]], panel)
+
+    steps = {"oneDNN": onednn_step, "dot": dot_step, "panel": panel_step}
+    results = {}
+    for num_rows in row_counts:
+        inputs = {columns: torch.randn(num_rows, columns, generator=generator) for _, columns in STEP_LINEAR_SHAPES}
+        outputs = [torch.empty(num_rows, weight.shape[0]) for weight in weights]
+
+        timings: dict[str, list[float]] = {name: [] for name in steps}
+        for step in steps.values():
+            step(inputs, outputs)  # warm-up: oneDNN creates its primitive for this shape on first use
+        for _ in range(repeats):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step(inputs, outputs)
+                timings[name].append(time.perf_counter() - start)
+        results[num_rows] = {name: sorted(values)[len(values) // 2] * 1000 for name, values in timings.items()}
+    return results
 
 
 def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:

@@ -116,15 +116,11 @@ def load_cpu_ops() -> ModuleType | None:
 
 
 def main() -> None:
-    """`python -m cuda_ext.cpu_ops`: build (or find cached) kernels and measure the linear kernel's crossover ahead of
-    time, e.g. in `make setup`."""
+    """`python -m cuda_ext.cpu_ops`: build (or find cached) kernels ahead of time, e.g. in `make setup`."""
     logging.basicConfig(level=logging.INFO)
-    ops = load_cpu_ops()
-    if ops is None:
+    if load_cpu_ops() is None:
         raise SystemExit("CPU kernels unavailable (see the warning above)")
-    from cuda_ext.linear_crossover import kernel_max_rows
-
-    logger.info("CPU kernels ready; fp32 linears of up to %d rows take our kernel", kernel_max_rows(ops))
+    logger.info("CPU kernels ready")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
-from model_executor.models import llama
 from model_executor.models.llama import LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
@@ -18,11 +16,9 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 320
 
 
-def random_llama(
-    pp_rank: int = 0, pp_size: int = 1, packed_linear_past_rows: int | None = None, **overrides: Any
-) -> LlamaForCausalLM:
-    """With `packed_linear_past_rows`, the layers' weights are packed for oneDNN (as the engine loads them) and the
-    stack runs projections of more tokens than that on oneDNN's GEMM; without, our linear kernel takes them all."""
+def random_llama(pp_rank: int = 0, pp_size: int = 1, panels: bool = False, **overrides: Any) -> LlamaForCausalLM:
+    """With `panels`, the layers' weights are packed into panels (as the engine loads them) and both paths run the
+    panel kernel; without, the stack runs the dot-product kernel on the plain weights and the layers torch's."""
     # Imported here: transformers' config import loads triton, which the Triton tests must import first.
     from transformers import LlamaConfig
 
@@ -47,16 +43,12 @@ def random_llama(
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.2 * torch.randn_like(param))
-    if packed_linear_past_rows is None:
-        assert model.prepare_decode_stack()
-        return model
-    for module in model.modules():
-        if isinstance(module, PackableWeight):
-            module.pack_weights()
-    assert model.layers["0"].mlp.gate_up_proj.packed_weight is not None
-    # A fixed crossover instead of this machine's measured one.
-    with mock.patch.object(llama, "kernel_max_rows", lambda ops: packed_linear_past_rows):
-        assert model.prepare_decode_stack()
+    if panels:
+        for module in model.modules():
+            if isinstance(module, PackableWeight):
+                module.pack_weights()
+        assert model.layers["0"].mlp.gate_up_proj.panel_weight is not None
+    assert model.prepare_decode_stack()
     return model
 
 
@@ -94,11 +86,12 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
     ("overrides", "pp_rank", "pp_size"),
     [
         ({}, 0, 1),
-        # Projections of more than 2 tokens on oneDNN's GEMM over the packed weights (the engine's path past the
-        # crossover), with and without biases, and in a first pipeline stage (which hands hidden and residual on).
-        ({"packed_linear_past_rows": 2}, 0, 1),
-        ({"packed_linear_past_rows": 2, "attention_bias": True, "mlp_bias": True}, 0, 1),
-        ({"packed_linear_past_rows": 2}, 0, 2),
+        # The panel kernel on panel weights (the engine's path), with and without biases, and in a first pipeline
+        # stage (which hands hidden and residual on); odd sizes leave a partial last panel.
+        ({"panels": True}, 0, 1),
+        ({"panels": True, "attention_bias": True, "mlp_bias": True}, 0, 1),
+        ({"panels": True}, 0, 2),
+        ({"panels": True, "hidden_size": 40, "intermediate_size": 36, "num_key_value_heads": 1}, 0, 1),
         ({"attention_bias": True, "mlp_bias": True}, 0, 1),
         ({"sliding_window": 6}, 0, 1),
         # hidden 40 and head_dim 10: the scalar tails of every vector loop; one KV head for all four.
@@ -108,7 +101,8 @@ def as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
         ({}, 1, 2),  # a later one starts from them
     ],
 )
-# 13 and 40 requests: full register blocks of the linear kernel (6 tokens with AVX-512, 2 with AVX2) and a remainder.
+# 13 and 40 requests: full register blocks of both linear kernels (6 and 8 tokens with AVX-512, 2 and 6 with AVX2)
+# and a remainder.
 @pytest.mark.parametrize(
     "num_cached",
     [

@@ -368,6 +368,32 @@ def test_linear_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_t
         ops.linear_tokens(out.double(), x.double(), weight.double())
 
 
+@pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (49, 5), (1, 8), (3, 1536), (3072, 576)])
+# 8 and 6 tokens: full tiles (8 with AVX-512, 6 with AVX2) and remainders; 512 a prefill chunk.
+@pytest.mark.parametrize("num_tokens", [1, 3, 5, 6, 8, 13, 64, 97, 512])
+def test_panel_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
+    ops = load_cpu_ops()
+    generator = torch.Generator().manual_seed(rows * 1000 + columns)
+    # A column slice of a wider matrix: rows further apart than their length, as a tensor-parallel shard could be.
+    weight = torch.randn(rows, columns + 5, generator=generator)[:, 2 : 2 + columns]
+    panels = ops.pack_panels(weight)
+    # Zero past the last row: the last panel's padding adds nothing to any output.
+    assert panels.shape == (-(-rows // ops.panel_width), columns, ops.panel_width)
+    assert not panels[-1, :, rows - (panels.shape[0] - 1) * ops.panel_width :].any()
+    x = torch.randn(num_tokens, columns + 3, generator=generator)[:, :columns]  # strided rows too
+    # A wider output: the kernel must write its own columns only (as a slice of a fused output would be).
+    out = torch.full((num_tokens, rows + 4), float("nan"))
+    ops.panel_linear(out[:, :rows], x, panels)
+    torch.testing.assert_close(out[:, :rows], x @ weight.T, atol=1e-4, rtol=1e-5)
+    assert out[:, rows:].isnan().all()
+    with pytest.raises(RuntimeError, match="pack_panels of a"):
+        ops.panel_linear(out[:, :rows], torch.randn(num_tokens, columns + 1), panels)
+    with pytest.raises(RuntimeError, match="pack_panels of a"):
+        ops.panel_linear(torch.empty(num_tokens, rows + ops.panel_width), x, panels)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.panel_linear(out.double(), x.double(), panels)
+
+
 def test_linear_results_do_not_depend_on_which_thread_takes_which_claim() -> None:
     """Each pool thread takes claims of its share and then of the others': with a core kept busy by another process
     the threads fall out of step and take each other's claims, and every output must still come out bit for bit."""
@@ -375,16 +401,24 @@ def test_linear_results_do_not_depend_on_which_thread_takes_which_claim() -> Non
     generator = torch.Generator().manual_seed(11)
     weight = torch.randn(3072, 576, generator=generator)
     x = torch.randn(64, 576, generator=generator)
-    reference = torch.empty(64, 3072)
-    ops.linear_tokens(reference, x, weight)
-    torch.testing.assert_close(reference, x @ weight.T, atol=1e-4, rtol=1e-5)
+    panels = ops.pack_panels(weight)
+    kernels = {
+        "dot": lambda out: ops.linear_tokens(out, x, weight),
+        "panel": lambda out: ops.panel_linear(out, x, panels),
+    }
+    references = {}
+    for name, kernel in kernels.items():
+        references[name] = torch.empty(64, 3072)
+        kernel(references[name])
+        torch.testing.assert_close(references[name], x @ weight.T, atol=1e-4, rtol=1e-5)
     spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
     busy = subprocess.Popen([sys.executable, "-c", spin])
     try:
         for _ in range(40):
-            out = torch.full((64, 3072), float("nan"))
-            ops.linear_tokens(out, x, weight)
-            assert torch.equal(out, reference)
+            for name, kernel in kernels.items():
+                out = torch.full((64, 3072), float("nan"))
+                kernel(out)
+                assert torch.equal(out, references[name]), name
     finally:
         busy.kill()
         busy.wait(timeout=10)
@@ -394,18 +428,22 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
     from executor import LLM
     from model_executor.layers.linear import PackableWeight, apply_linear, pack_weight_for_cpu
 
+    ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(6)
     weight, bias = torch.randn(960, 576, generator=generator), torch.randn(960, generator=generator)
     packed = pack_weight_for_cpu(weight)
     assert packed is not None
+    panels = ops.pack_panels(weight)
     for rows in (1, 7, 8, 9, 64, 96, 97, 128, 513):
         x = torch.randn(rows, 576, generator=generator)
         expected = torch.nn.functional.linear(x, weight, bias)
+        # oneDNN's packed weight (bf16 models, or fp32 where our kernels cannot be built), then our panels.
         torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)
-        with_kernel = apply_linear(x, weight, packed, bias, load_cpu_ops())
-        torch.testing.assert_close(with_kernel, expected, atol=1e-4, rtol=1e-5)
+        on_panels = apply_linear(x, weight, None, bias, ops, panels)
+        torch.testing.assert_close(on_panels, expected, atol=1e-4, rtol=1e-5)
     llm = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=16, show_progress=False)
     modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
-    # q/k/v, o, gate/up and down per layer, plus the LM head.
+    # q/k/v, o, gate/up and down per layer, plus the LM head: all fp32, all on panels, no oneDNN copy beside them.
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(module.packed_weight is not None and module.linear_kernel_ops is not None for module in modules)
+    assert all(module.panel_weight is not None and module.packed_weight is None for module in modules)
+    assert all(module.linear_kernel_ops is not None for module in modules)

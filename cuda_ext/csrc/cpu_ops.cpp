@@ -1,6 +1,6 @@
 // pagedserve's CPU kernels: paged decode attention that reads KV blocks in place, the KV-cache write, and the
 // fused per-layer elementwise ops (residual add + RMSNorm, rotary embedding, SiLU-and-mul), and one token's
-// linear layer. Each replaces several torch ops (and as many passes over memory) with one, or a slower library
+// linear layers. Each replaces several torch ops (and as many passes over memory) with one, or a slower library
 // call; every one has a torch reference in Python.
 // fp32 takes a vector path as wide as the build target's registers (16 lanes with AVX-512, 8 with AVX2, 4
 // otherwise); other dtypes a scalar one.
@@ -9,7 +9,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <array>
@@ -879,6 +878,122 @@ void linear_tokens_kernel(const float* x, int64_t x_stride, int64_t num_tokens, 
   });
 }
 
+// y = x W^T for fp32 tokens on a panel-packed weight: panels of kPanelWidth output rows, each stored column by
+// column ([panels, columns, kPanelWidth], zero past the last row), so a microkernel keeps a tile of kPanelTokens
+// tokens x kPanelWidth outputs in registers and, per column, loads the panel's kPanelWidth weights once (an
+// outer product: each weight feeds kPanelTokens FMAs, each broadcast x value kPanelWidth / kLanes). A panel streams
+// from memory once and is reread from L2 for the tiles after the first; the next panel is asked for meanwhile,
+// spread evenly over the panel's tiles. The dot-product kernel above (linear_tokens_kernel) keeps a horizontal sum
+// per output and rereads x per group of four rows; this one beats it and oneDNN's packed GEMM at every row count
+// measured on Zen 5 (1 to 512 tokens).
+#if defined(__AVX512F__)
+constexpr int64_t kPanelVectors = 3;  // 8 tokens x 3 vectors: 24 sums + 3 weight vectors + a broadcast
+constexpr int64_t kPanelTokens = 8;
+#else
+constexpr int64_t kPanelVectors = 2;  // 16 registers: 6 tokens x 2 vectors, 12 sums + 2 weight vectors + a broadcast
+constexpr int64_t kPanelTokens = 6;
+#endif
+constexpr int64_t kPanelWidth = kPanelVectors * kLanes;
+constexpr int64_t kCacheLine = 64;
+
+// Cache lines of one panel column: what a tile asks for per column at most.
+constexpr int64_t kPanelColumnLines = (kPanelWidth * int64_t{sizeof(float)} + kCacheLine - 1) / kCacheLine;
+
+// Where and how fast a tile asks for the next panel: at column c, kPanelColumnLines lines from `start` plus
+// (c * bytes_per_column_fp) >> 16 bytes.
+struct PanelPrefetch {
+  const char* start;
+  int64_t bytes_per_column_fp;
+};
+
+template <int64_t kTokens>
+void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t columns, float* out, int64_t out_stride,
+                int64_t valid_width, PanelPrefetch prefetch) {
+  Lanes sums[kTokens][kPanelVectors] = {};
+  for (int64_t column = 0; column < columns; ++column) {
+    const float* weights = panel + column * kPanelWidth;
+    Lanes w[kPanelVectors];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kPanelVectors; ++v) {
+      w[v] = load_lanes(weights + v * kLanes);
+    }
+    const char* line = prefetch.start + ((column * prefetch.bytes_per_column_fp) >> 16);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kPanelColumnLines; ++i) {
+      _mm_prefetch(line + i * kCacheLine, _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const Lanes xs = broadcast(x[t * x_stride + column]);
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kPanelVectors; ++v) {
+        sums[t][v] += xs * w[v];
+      }
+    }
+  }
+  if (valid_width == kPanelWidth) {
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kTokens; ++t) {
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kPanelVectors; ++v) {
+        store_lanes(out + t * out_stride + v * kLanes, sums[t][v]);
+      }
+    }
+    return;
+  }
+  // The last panel of a weight whose rows are not a multiple of kPanelWidth: only its real outputs.
+  for (int64_t t = 0; t < kTokens; ++t) {
+    float row[kPanelWidth];
+    for (int64_t v = 0; v < kPanelVectors; ++v) {
+      store_lanes(row + v * kLanes, sums[t][v]);
+    }
+    std::memcpy(out + t * out_stride, row, valid_width * sizeof(float));
+  }
+}
+
+using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, PanelPrefetch);
+
+template <int64_t... kCounts>
+constexpr std::array<PanelTile, sizeof...(kCounts)> panel_tiles_by_count(std::integer_sequence<int64_t, kCounts...>) {
+  return {&panel_tile<kCounts + 1>...};
+}
+
+// panel_tile for 1 .. kPanelTokens tokens: the last, shorter tile of a step's tokens takes its own count.
+constexpr auto kPanelTiles = panel_tiles_by_count(std::make_integer_sequence<int64_t, kPanelTokens>{});
+
+int64_t num_panels(int64_t rows) {
+  return (rows + kPanelWidth - 1) / kPanelWidth;
+}
+
+// Panels a claim holds at least: the next panel's prefetch works within a claim.
+constexpr int64_t kClaimPanelsMin = 2;
+
+void panel_linear_kernel(const float* x, int64_t x_stride, int64_t num_tokens, const float* packed, int64_t rows,
+                         int64_t columns, float* out, int64_t out_stride) {
+  const int64_t panels = num_panels(rows);
+  const int64_t panel_floats = columns * kPanelWidth;
+  const int64_t num_tiles = (num_tokens + kPanelTokens - 1) / kPanelTokens;
+  // Each tile asks for an equal part of the next panel, spread over its columns.
+  const int64_t bytes_per_tile = (panel_floats * int64_t{sizeof(float)} + num_tiles - 1) / num_tiles;
+  const int64_t bytes_per_column_fp = (bytes_per_tile << 16) / std::max<int64_t>(1, columns);
+  parallel_claims(panels, panel_floats * num_tokens, kClaimPanelsMin, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = packed + p * panel_floats;
+      // Past the claim too: the next panel is most often this thread's next claim (its share is contiguous). The
+      // last panel asks for its own lines again (a prefetch costs less than a branch per column).
+      const char* next = reinterpret_cast<const char*>(p + 1 < panels ? panel + panel_floats : panel);
+      const int64_t valid_width = std::min(kPanelWidth, rows - p * kPanelWidth);
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t token = tile * kPanelTokens;
+        const PanelPrefetch prefetch{next + tile * bytes_per_tile, bytes_per_column_fp};
+        kPanelTiles[std::min(kPanelTokens, num_tokens - token) - 1](x + token * x_stride, x_stride, panel, columns,
+                                                                    out + token * out_stride + p * kPanelWidth,
+                                                                    out_stride, valid_width, prefetch);
+      }
+    }
+  });
+}
+
 // In place: residual += x; x = weight * residual / rms(residual), for one row of `hidden` values.
 template <typename scalar_t>
 void add_rms_norm_row(scalar_t* x, scalar_t* residual, const scalar_t* weight, int64_t hidden, float eps) {
@@ -1150,6 +1265,51 @@ void linear_tokens(torch::Tensor& out, const torch::Tensor& x, const torch::Tens
       out.stride(0), weight.size(0), weight.size(1));
 }
 
+// weight [rows, columns] fp32 -> [panels, columns, kPanelWidth]: panel p holds rows p * kPanelWidth on, column by
+// column, zero past the last row (what panel_linear_kernel reads).
+torch::Tensor pack_panels(const torch::Tensor& weight) {
+  check_rows(weight, "weight");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == torch::kFloat32,
+              "weight must be a 2-d CPU fp32 tensor");
+  const int64_t rows = weight.size(0), columns = weight.size(1), panels = num_panels(rows);
+  torch::Tensor packed = torch::zeros({panels, columns, kPanelWidth}, weight.options());
+  const float* source = weight.data_ptr<float>();
+  float* target = packed.data_ptr<float>();
+  const int64_t row_stride = weight.stride(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t j = 0; j < std::min(kPanelWidth, rows - p * kPanelWidth); ++j) {
+        const float* row = source + (p * kPanelWidth + j) * row_stride;
+        float* column_j = target + p * columns * kPanelWidth + j;
+        for (int64_t column = 0; column < columns; ++column) {
+          column_j[column * kPanelWidth] = row[column];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+void check_panels(const torch::Tensor& packed, int64_t rows, int64_t columns, const char* name) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() &&
+                  packed.dim() == 3,
+              name, " must be a contiguous 3-d CPU fp32 tensor from pack_panels");
+  TORCH_CHECK(packed.size(0) == num_panels(rows) && packed.size(1) == columns && packed.size(2) == kPanelWidth, name,
+              " must be pack_panels of a [", rows, ", ", columns, "] weight");
+}
+
+// out = x @ weight^T for fp32 tokens, the weight given as pack_panels(weight) (out's width is its row count).
+void panel_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "x and out must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-d");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out must have contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "panel_linear is fp32");
+  TORCH_CHECK(out.size(0) == x.size(0), "x and out must have one row per token");
+  check_panels(packed, out.size(1), x.size(1), "packed");
+  panel_linear_kernel(x.data_ptr<float>(), x.stride(0), x.size(0), packed.data_ptr<float>(), out.size(1), x.size(1),
+                      out.data_ptr<float>(), out.stride(0));
+}
+
 // Greedy next tokens from bf16 logits, exactly: row r's token is the argmax of its fp32 logits x[r] . weight[i]
 // (linear_tokens_kernel's sums), computed only for the tokens whose bf16 logit may still be the best. A bf16 logit
 // a(i) differs from the fp32 one by at most input_rounding * |x[r]| * |weight[i]| (both operands rounded to bf16;
@@ -1280,33 +1440,31 @@ torch::Tensor screened_greedy(const torch::Tensor& approx_logits, const torch::T
 // fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
 // the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
 // and the SwiGLU MLP. A step is ~30 small ops per layer, whose Python and dispatch overhead cost 2-2.5 ms a step
-// (a fifth of a one-token step). Projections of up to `linear_kernel_max_rows` tokens run linear_tokens_kernel
-// (each weight streamed from memory once); more, oneDNN's GEMM on the layer's packed weight where it has one.
+// (a fifth of a one-token step). Projections run panel_linear_kernel on the layer's panel-packed weights, or
+// linear_tokens_kernel on the plain weights where a layer has none.
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              int64_t sliding_window, int64_t linear_kernel_max_rows)
+              int64_t sliding_window)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)),
-        sliding_window_(sliding_window),
-        linear_kernel_max_rows_(linear_kernel_max_rows) {
+        sliding_window_(sliding_window) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
     TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
   }
 
-  // Biases and packed weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
-  // contiguous rows; a packed weight is the same weight in oneDNN's blocked layout (torch's
-  // mkldnn::_reorder_linear_weight).
+  // Biases and panel weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
+  // contiguous rows; a panel weight is the same weight as pack_panels lays it out.
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
                  const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                  const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
                  const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias,
-                 const std::optional<torch::Tensor>& qkv_packed, const std::optional<torch::Tensor>& o_packed,
-                 const std::optional<torch::Tensor>& gate_up_packed,
-                 const std::optional<torch::Tensor>& down_packed) {
+                 const std::optional<torch::Tensor>& qkv_panels, const std::optional<torch::Tensor>& o_panels,
+                 const std::optional<torch::Tensor>& gate_up_panels,
+                 const std::optional<torch::Tensor>& down_panels) {
     const int64_t hidden = input_norm.size(0);
     const int64_t q_size = num_heads_ * head_dim_;
     const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -1318,13 +1476,15 @@ class DecodeStack {
     check_vector(input_norm, hidden, "input_norm");
     check_vector(post_norm, hidden, "post_norm");
     TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
-    layers_.push_back(Layer{input_norm,
-                            Linear{qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), packed_or_empty(qkv_packed)},
-                            Linear{o, bias_or_empty(o_bias, hidden, "o bias"), packed_or_empty(o_packed)},
-                            post_norm,
-                            Linear{gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
-                                   packed_or_empty(gate_up_packed)},
-                            Linear{down, bias_or_empty(down_bias, hidden, "down bias"), packed_or_empty(down_packed)}});
+    layers_.push_back(
+        Layer{input_norm,
+              Linear{qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), panels_or_empty(qkv_panels, qkv, "qkv panels")},
+              Linear{o, bias_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels")},
+              post_norm,
+              Linear{gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
+                     panels_or_empty(gate_up_panels, gate_up, "gate_up panels")},
+              Linear{down, bias_or_empty(down_bias, hidden, "down bias"),
+                     panels_or_empty(down_panels, down, "down panels")}});
     hidden_ = hidden;
     inter_ = inter;
   }
@@ -1368,11 +1528,7 @@ class DecodeStack {
     attended_.resize(num_tokens * q_size);
     gate_up_.resize(num_tokens * 2 * inter_);
     activated_.resize(num_tokens * inter_);
-    float* const hidden_out = hidden.data_ptr<float>();
-    // The stream of layer inputs: `hidden` itself, or the tensor oneDNN's GEMM wrote the last projection into
-    // (kept alive in `x_owner`; every buffer in this loop has rows of its projection's width, whoever owns it).
-    float* x = hidden_out;
-    torch::Tensor x_owner, qkv_owner, gate_up_owner;
+    float* const x = hidden.data_ptr<float>();
     float* stream = residual.data_ptr<float>();
     if (!has_residual) {
       // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
@@ -1392,7 +1548,8 @@ class DecodeStack {
         add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.input_norm.data_ptr<float>(),
                                 hidden_, eps_);
       }
-      float* qkv = project(layer.qkv, x, hidden_, num_tokens, qkv_.data(), qkv_owner);
+      float* const qkv = qkv_.data();
+      project(layer.qkv, x, hidden_, num_tokens, qkv);
       for (int64_t token = 0; token < num_tokens; ++token) {
         float* token_qkv = qkv + token * qkv_rows;
         const float* cos_row = cos.data_ptr<float>() + token * half;
@@ -1410,27 +1567,25 @@ class DecodeStack {
                                     width, block_size, cache.stride(1), cache.stride(2)};
       decode_attention_kernel<float>(qkv, paged, attended_.data(), lens, num_tokens, num_heads_, num_kv_heads_,
                                      head_dim_, qkv_rows, q_size, scale_, sliding_window_);
-      x = project(layer.o, attended_.data(), q_size, num_tokens, hidden_out, x_owner);
+      project(layer.o, attended_.data(), q_size, num_tokens, x);
 
       for (int64_t token = 0; token < num_tokens; ++token) {
         add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.post_norm.data_ptr<float>(),
                                 hidden_, eps_);
       }
-      const float* gate_up = project(layer.gate_up, x, hidden_, num_tokens, gate_up_.data(), gate_up_owner);
+      const float* const gate_up = gate_up_.data();
+      project(layer.gate_up, x, hidden_, num_tokens, gate_up_.data());
       for (int64_t token = 0; token < num_tokens; ++token) {
         const float* gate = gate_up + token * 2 * inter_;
         silu_and_mul_row<float>(activated_.data() + token * inter_, gate, gate + inter_, inter_);
       }
-      x = project(layer.down, activated_.data(), inter_, num_tokens, hidden_out, x_owner);
-    }
-    if (x != hidden_out) {
-      std::memcpy(hidden_out, x, num_tokens * hidden_ * sizeof(float));
+      project(layer.down, activated_.data(), inter_, num_tokens, x);
     }
   }
 
  private:
   struct Linear {
-    torch::Tensor weight, bias, packed;  // bias and packed may be undefined
+    torch::Tensor weight, bias, panels;  // bias and panels may be undefined
   };
   struct Layer {
     torch::Tensor input_norm;
@@ -1464,32 +1619,24 @@ class DecodeStack {
     return *bias;
   }
 
-  static torch::Tensor packed_or_empty(const std::optional<torch::Tensor>& packed) {
-    return packed.has_value() && packed->defined() ? *packed : torch::Tensor();
+  static torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const torch::Tensor& weight,
+                                       const char* name) {
+    if (!panels.has_value() || !panels->defined()) {
+      return torch::Tensor();
+    }
+    check_panels(*panels, weight.size(0), weight.size(1), name);
+    return *panels;
   }
 
-  // x [tokens, columns] (contiguous rows) W^T + bias, with rows of the weight's out size: written to `out` by our
-  // kernel, or (past linear_kernel_max_rows_, given a packed weight) to a tensor of oneDNN's, held in `owner`.
-  // Returns where the result is.
-  float* project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out,
-                 torch::Tensor& owner) const {
+  // out [tokens, the weight's out size] = x [tokens, columns] (contiguous rows) W^T + bias.
+  void project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out) const {
     const int64_t rows = linear.weight.size(0);
-    if (num_tokens > linear_kernel_max_rows_ && linear.packed.defined()) {
-      static const auto packed_linear =
-          c10::Dispatcher::singleton()
-              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                std::optional<c10::string_view>)>();
-      const torch::Tensor input =
-          torch::from_blob(const_cast<float*>(x), {num_tokens, columns}, torch::TensorOptions().dtype(torch::kFloat32));
-      const std::optional<at::Tensor> bias =
-          linear.bias.defined() ? std::optional<at::Tensor>(linear.bias) : std::nullopt;
-      owner = packed_linear.call(input, linear.packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
-      return owner.data_ptr<float>();
+    if (linear.panels.defined()) {
+      panel_linear_kernel(x, columns, num_tokens, linear.panels.data_ptr<float>(), rows, columns, out, rows);
+    } else {
+      linear_tokens_kernel(x, columns, num_tokens, linear.weight.data_ptr<float>(), linear.weight.stride(0), out, rows,
+                           rows, linear.weight.size(1));
     }
-    linear_tokens_kernel(x, columns, num_tokens, linear.weight.data_ptr<float>(), linear.weight.stride(0), out, rows,
-                         rows, linear.weight.size(1));
     if (linear.bias.defined()) {
       const float* bias_data = linear.bias.data_ptr<float>();
       for (int64_t token = 0; token < num_tokens; ++token) {
@@ -1498,13 +1645,11 @@ class DecodeStack {
         }
       }
     }
-    return out;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_, scale_;
   int64_t sliding_window_;
-  int64_t linear_kernel_max_rows_;
   int64_t hidden_ = 0;
   int64_t inter_ = 0;
   std::vector<Layer> layers_;
@@ -1522,14 +1667,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
   module.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half");
   module.def("linear_tokens", &linear_tokens, "x @ weight^T for fp32 tokens, each weight streamed from memory once");
+  module.def("pack_panels", &pack_panels, "an fp32 weight in the panel layout panel_linear reads");
+  module.def("panel_linear", &panel_linear, "x @ weight^T for fp32 tokens on a pack_panels weight");
   module.def("screened_greedy", &screened_greedy, "exact greedy tokens from bf16 logits and fp32 candidates",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   // fp32 lanes per vector register of this build: how far linear_tokens beats a GEMM library depends on it.
   module.attr("vector_lanes") = kLanes;
+  module.attr("panel_width") = kPanelWidth;
   pybind11::class_<DecodeStack>(module, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, int64_t>(), pybind11::arg("num_heads"),
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
-           pybind11::arg("sliding_window"), pybind11::arg("linear_kernel_max_rows"))
+           pybind11::arg("sliding_window"))
       .def("add_layer", &DecodeStack::add_layer)
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from cuda_ext.linear_crossover import PACKING_BATCH_HINT
+from model_executor.layers.linear import PACKING_BATCH_HINT
 from model_executor.sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)

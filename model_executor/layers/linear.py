@@ -15,10 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from cuda_ext.linear_crossover import PACKING_BATCH_HINT, kernel_max_rows
 from model_executor.parallel_state import ParallelContext, divide
 
 logger = logging.getLogger(__name__)
+
+# oneDNN picks its blocked layout for a typical M.
+PACKING_BATCH_HINT = 64
 
 
 def read_rows(loaded_weight: Any, start: int, size: int) -> torch.Tensor:
@@ -38,7 +40,8 @@ def copy_into(param: torch.Tensor, shard: torch.Tensor) -> None:
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered into oneDNN's blocked layout for CPU matmuls, or None where that path is off.
+    """The weight reordered into oneDNN's blocked layout for CPU matmuls (bf16, or fp32 where our kernels cannot be
+    built), or None where that path is off.
 
     oneDNN's prepacked GEMM beats MKL's on this model's skinny shapes (up to 2x at one token, 1.6x on the
     LM head at batch 64), and the reorder is paid once at load instead of on every call.
@@ -65,12 +68,11 @@ def apply_linear(
     packed_weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     linear_kernel_ops: ModuleType | None = None,
+    panel_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if linear_kernel_ops is not None and x.dim() == 2 and x.shape[0] <= kernel_max_rows(linear_kernel_ops):
-        # Our kernel streams each weight from memory once, overlapped with the arithmetic; oneDNN's GEMM stalls on
-        # that stream at decode batch sizes (a matrix-vector product at one token, ~0.75x its in-cache rate at 64).
+    if panel_weight is not None and linear_kernel_ops is not None and x.dim() == 2:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        linear_kernel_ops.linear_tokens(out, x if x.stride(-1) == 1 else x.contiguous(), weight)
+        linear_kernel_ops.panel_linear(out, x if x.stride(-1) == 1 else x.contiguous(), panel_weight)
         return out.add_(bias) if bias is not None else out
     if packed_weight is not None and x.dim() == 2:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
@@ -78,20 +80,27 @@ def apply_linear(
 
 
 class PackableWeight:
-    """Mixin: `pack_weights()` after loading makes forward use the oneDNN-packed copy on CPU, and our fp32 kernel
-    over the plain weight for up to `kernel_max_rows` rows."""
+    """Mixin: `pack_weights()` after loading lays the weight out for CPU matmuls: fp32 weights in our kernel's
+    panels (`cuda_ext.cpu_ops` pack_panels; it beats oneDNN's packed GEMM at every row count measured), others in
+    oneDNN's blocked layout. The plain weight stays (the greedy screen and the GPU path read it)."""
 
     packed_weight: torch.Tensor | None = None
+    panel_weight: torch.Tensor | None = None
     linear_kernel_ops: ModuleType | None = None
 
     def pack_weights(self) -> None:
-        from cuda_ext.cpu_ops import load_cpu_ops
+        from cuda_ext.cpu_ops import DISABLE_ENV, load_cpu_ops
 
-        self.packed_weight = pack_weight_for_cpu(self.weight)
-        if self.packed_weight is not None and self.weight.dtype == torch.float32:
+        weight = self.weight
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and os.environ.get(DISABLE_ENV) != "1":
             self.linear_kernel_ops = load_cpu_ops()
             if self.linear_kernel_ops is not None:
-                kernel_max_rows(self.linear_kernel_ops)  # measured at load (once per machine), not in a first step
+                self.panel_weight = self.linear_kernel_ops.pack_panels(weight.detach())
+                return
+        self.packed_weight = pack_weight_for_cpu(weight)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return apply_linear(x, self.weight, self.packed_weight, bias, self.linear_kernel_ops, self.panel_weight)
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):
@@ -105,7 +114,7 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.packed_weight, self.bias, self.linear_kernel_ops)
+        return self.project(x, self.bias)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
@@ -178,9 +187,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(
-            apply_linear(x, self.weight, self.packed_weight, linear_kernel_ops=self.linear_kernel_ops)
-        )
+        y = self.parallel.all_reduce(self.project(x))
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:

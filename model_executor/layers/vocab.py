@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.layers.linear import PackableWeight, apply_linear, copy_into
+from model_executor.layers.linear import PackableWeight, copy_into
 from model_executor.parallel_state import ParallelContext
 
 
@@ -41,7 +41,5 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     """Logits over the vocabulary: each rank scores its own token ids, then the slices are gathered."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local_logits = apply_linear(
-            hidden_states, self.weight, self.packed_weight, linear_kernel_ops=self.linear_kernel_ops
-        )
+        local_logits = self.project(hidden_states)
         return self.parallel.all_gather_last_dim(local_logits)[:, : self.vocab_size]

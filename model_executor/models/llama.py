@@ -10,7 +10,6 @@ from torch import nn
 
 from cuda_ext.attention import AttentionBackend, get_attention_backend
 from cuda_ext.fused_ops import silu_and_mul
-from cuda_ext.linear_crossover import kernel_max_rows
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
@@ -157,9 +156,8 @@ class LlamaForCausalLM(nn.Module):
         """Decode steps run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
 
         The ~30 small ops per layer, each a Python call and a dispatch on the layer-by-layer path, cost 2-2.5 ms a
-        step whatever the batch (a fifth of a one-token step). The stack's projections run our linear kernel up to
-        `kernel_max_rows` tokens (this machine's crossover of that kernel and oneDNN's GEMM) and oneDNN's GEMM on
-        the layers' packed weights past it, as the layer-by-layer path does.
+        step whatever the batch (a fifth of a one-token step). The stack's projections run our panel kernel on the
+        layers' panel weights, as the layer-by-layer path does.
         """
         from cuda_ext.attention.cpu_backend import CpuAttentionBackend
         from cuda_ext.cpu_ops import load_cpu_ops
@@ -181,7 +179,6 @@ class LlamaForCausalLM(nn.Module):
             eps=first_layer.input_layernorm.eps,
             scale=attention.scale,
             sliding_window=attention.sliding_window or 0,
-            linear_kernel_max_rows=kernel_max_rows(ops),
         )
         for layer in self.layers.values():
             attn, mlp = layer.self_attn, layer.mlp
@@ -196,11 +193,11 @@ class LlamaForCausalLM(nn.Module):
                 mlp.gate_up_proj.bias,
                 mlp.down_proj.weight,
                 mlp.down_proj.bias,
-                # None before pack_weights (or where oneDNN is off): our kernel then takes every row count.
-                attn.qkv_proj.packed_weight,
-                attn.o_proj.packed_weight,
-                mlp.gate_up_proj.packed_weight,
-                mlp.down_proj.packed_weight,
+                # None before pack_weights: the dot-product kernel then runs on the plain weights.
+                attn.qkv_proj.panel_weight,
+                attn.o_proj.panel_weight,
+                mlp.gate_up_proj.panel_weight,
+                mlp.down_proj.panel_weight,
             )
         self.decode_stack = stack
         return True
