@@ -328,7 +328,10 @@ def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
     assert result["output_lens"] == [8] * 8
     assert all(tokens > 0 for tokens in result["input_lens"])
     assert all(ttft > 0 for ttft in result["ttfts"])
-    assert all(itls for itls in result["itls"])
+    # A request's outputs that pile up while its stream is busy come merged into one chunk (the server's contract),
+    # so a fast request may have fewer gaps than tokens; every gap recorded is a real one.
+    assert any(result["itls"]) and all(itl > 0 for itls in result["itls"] for itl in itls)
+    assert all(len(itls) <= 7 for itls in result["itls"])
     assert summary["mean_ttft_ms"] > 0
     assert summary["mean_itl_ms"] > 0
     assert summary["mean_tpot_ms"] > 0
