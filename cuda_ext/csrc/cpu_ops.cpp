@@ -287,6 +287,21 @@ inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int6
   }
 }
 
+// A head's key rows asked of L2 one at a time ahead of its dot products, up to its last key.
+struct KeyRowsAhead {
+  CacheRowCursor cursor;
+  int64_t row_bytes;
+  int64_t left;
+
+  void ask_for_next() {
+    if (left > 0) {
+      prefetch_row(cursor.row(), row_bytes);
+      cursor.next();
+      --left;
+    }
+  }
+};
+
 // One fp32 head of decode attention with head_dim = kChunks * kLanes: the query and the output accumulators
 // live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
 // `fetch_ahead`: the first head of its KV head's group, which reads the rows from memory (the others find them in
@@ -306,19 +321,11 @@ void attend_head_lanes(
     scaled_query[c] = load_lanes(query + c * kLanes) * scale;
   }
   constexpr int64_t kRowBytes = kChunks * kLanes * sizeof(float);
-  CacheRowCursor keys_ahead = keys;
+  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
   CacheRowCursor values_ahead = values;
-  int64_t num_ahead = 0;
-  const auto ask_for_next_key = [&] {
-    if (num_ahead < num_keys) {
-      prefetch_row(keys_ahead.row(), kRowBytes);
-      keys_ahead.next();
-      ++num_ahead;
-    }
-  };
   if (fetch_ahead) {
     for (int64_t i = 0; i < kPrefetchRows; ++i) {
-      ask_for_next_key();
+      keys_ahead.ask_for_next();
     }
   }
   float max_score = -std::numeric_limits<float>::infinity();
@@ -327,7 +334,7 @@ void attend_head_lanes(
     Lanes partials[kKeyTile] = {};
     if (fetch_ahead) {
       for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
-        ask_for_next_key();
+        keys_ahead.ask_for_next();
         prefetch_row(values_ahead.row(), kRowBytes);
       }
     }
@@ -412,25 +419,17 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
   }
   const int64_t score_stride = num_keys + kKeyTile;
   constexpr int64_t kRowBytes = kHeadDim * sizeof(float);
-  CacheRowCursor keys_ahead = keys;
+  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
   CacheRowCursor values_ahead = values;
-  int64_t num_ahead = 0;
-  const auto ask_for_next_key = [&] {
-    if (num_ahead < num_keys) {
-      prefetch_row(keys_ahead.row(), kRowBytes);
-      keys_ahead.next();
-      ++num_ahead;
-    }
-  };
   for (int64_t i = 0; i < kPrefetchRows; ++i) {
-    ask_for_next_key();
+    keys_ahead.ask_for_next();
   }
   float max_score[kGroup];
   std::fill(max_score, max_score + kGroup, -std::numeric_limits<float>::infinity());
   for (int64_t key = 0; key < num_keys; key += kKeyTile) {
     const int64_t count = std::min(kKeyTile, num_keys - key);
     for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
-      ask_for_next_key();
+      keys_ahead.ask_for_next();
       prefetch_row(values_ahead.row(), kRowBytes);
     }
     // The tile's rows come from memory for the first head and from L1 for the others.
