@@ -555,47 +555,51 @@ void decode_attention_kernel(
     float scale,
     int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
-  // One work item per (request, head), a request's heads next to each other: a head's query and accumulator
-  // stay in registers, and the request's keys and values come from memory for its first head and from L2 for
-  // the others. Items rather than requests, so one long request still spreads over the threads.
+  // Items rather than requests, so one long request still spreads over the threads: (request, KV head) on the
+  // query-group path, else (request, head) with a request's heads next to each other (the keys and values come
+  // from memory for a group's first head and from L2 for the others).
   const int64_t work_per_head = cache.max_blocks * cache.block_size * head_dim * 2;
   // A request's first key in attention: the window's start, or its first token.
   const auto first_key = [sliding_window](int64_t seq_len) {
     return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+  };
+  // Request `seq`'s rows of one KV head in `base` (the fp32 key or value cache), from key `first` on.
+  const auto kv_rows = [&](int64_t seq, int64_t kv_head, int64_t first, const auto* base) {
+    return CacheRowCursor{base + kv_head * head_dim,
+                          cache.block_tables + seq * cache.max_blocks,
+                          cache.block_size,
+                          cache.block_stride,
+                          cache.token_stride,
+                          first / cache.block_size,
+                          first % cache.block_size};
+  };
+  // The first rows of another request's KV head into L2 while the current item computes.
+  const auto prefetch_start_of = [&](int64_t seq, int64_t kv_head, const auto* keys, const auto* values) {
+    const int64_t seq_first = first_key(seq_lens[seq]);
+    prefetch_head_start(kv_rows(seq, kv_head, seq_first, keys), kv_rows(seq, kv_head, seq_first, values),
+                        std::min(kPrefetchRows, seq_lens[seq] - seq_first),
+                        head_dim * static_cast<int64_t>(sizeof(float)));
   };
   AttendHeadLanes attend_lanes = nullptr;
   if constexpr (std::is_same_v<scalar_t, float>) {
     attend_lanes = attend_head_lanes_for(head_dim);
     if (const AttendGroupLanes attend_group = attend_group_lanes_for(head_dim, group); attend_group != nullptr) {
       // One work item per (request, KV head): its group of query heads in one pass over the rows.
-      const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(float));
-      const auto rows_of = [&](int64_t of, int64_t of_first, const float* base) {
-        return CacheRowCursor{base + (of % num_kv_heads) * head_dim,
-                              cache.block_tables + (of / num_kv_heads) * cache.max_blocks,
-                              cache.block_size,
-                              cache.block_stride,
-                              cache.token_stride,
-                              of_first / cache.block_size,
-                              of_first % cache.block_size};
-      };
       parallel_claims(num_seqs * num_kv_heads, work_per_head * group, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         for (int64_t item = begin; item < end; ++item) {
           const int64_t seq = item / num_kv_heads;
+          const int64_t kv_head = item % num_kv_heads;
           const int64_t first = first_key(seq_lens[seq]);
           const int64_t num_keys = seq_lens[seq] - first;
           scores.resize(group * (num_keys + kKeyTile));
           if (item + 1 < end) {
-            // The next item's first rows come in while this one computes.
-            const int64_t next_len = seq_lens[(item + 1) / num_kv_heads];
-            const int64_t next_first = first_key(next_len);
-            prefetch_head_start(rows_of(item + 1, next_first, cache.keys), rows_of(item + 1, next_first, cache.values),
-                                std::min(kPrefetchRows, next_len - next_first), row_bytes);
+            prefetch_start_of((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys, cache.values);
           }
-          const int64_t first_head = (item % num_kv_heads) * group;
-          attend_group(query + seq * query_stride + first_head * head_dim, scale, rows_of(item, first, cache.keys),
-                       rows_of(item, first, cache.values), num_keys, scores.data(),
-                       output + seq * output_stride + first_head * head_dim);
+          const int64_t first_head = kv_head * group;
+          attend_group(query + seq * query_stride + first_head * head_dim, scale,
+                       kv_rows(seq, kv_head, first, cache.keys), kv_rows(seq, kv_head, first, cache.values), num_keys,
+                       scores.data(), output + seq * output_stride + first_head * head_dim);
         }
       });
       return;
@@ -617,27 +621,13 @@ void decode_attention_kernel(
       const scalar_t* head_query = query + seq * query_stride + head * head_dim;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (attend_lanes != nullptr) {
-          // Work item `of`'s rows of `base` (the key or value cache) from its first attended key.
-          const auto rows_of = [&](int64_t of, int64_t of_first, const float* base) {
-            return CacheRowCursor{base + ((of % num_heads) / group) * head_dim,
-                                  cache.block_tables + (of / num_heads) * cache.max_blocks,
-                                  cache.block_size,
-                                  cache.block_stride,
-                                  cache.token_stride,
-                                  of_first / cache.block_size,
-                                  of_first % cache.block_size};
-          };
-          const CacheRowCursor keys = rows_of(item, first, cache.keys);
-          const CacheRowCursor values = rows_of(item, first, cache.values);
+          const CacheRowCursor keys = kv_rows(seq, head / group, first, cache.keys);
+          const CacheRowCursor values = kv_rows(seq, head / group, first, cache.values);
           const bool group_leader = head % group == 0;
           if (group_leader && item + group < end) {
             // The next group's first rows come in while this group's heads compute.
             const int64_t next = item + group;
-            const int64_t next_len = seq_lens[next / num_heads];
-            const int64_t next_first = first_key(next_len);
-            prefetch_head_start(rows_of(next, next_first, cache.keys), rows_of(next, next_first, cache.values),
-                                std::min(kPrefetchRows, next_len - next_first),
-                                head_dim * static_cast<int64_t>(sizeof(float)));
+            prefetch_start_of(next / num_heads, (next % num_heads) / group, cache.keys, cache.values);
           }
           attend_lanes(head_query, scale, keys, values, num_keys, scores.data(),
                        output + seq * output_stride + head * head_dim, group_leader);
@@ -1741,8 +1731,8 @@ class DecodeStack {
         add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.post_norm.data_ptr<float>(),
                                 hidden_, eps_);
       }
-      const float* const gate_up = gate_up_.data();
-      project(layer.gate_up, x, hidden_, num_tokens, gate_up_.data());
+      float* const gate_up = gate_up_.data();
+      project(layer.gate_up, x, hidden_, num_tokens, gate_up);
       for (int64_t token = 0; token < num_tokens; ++token) {
         const float* gate = gate_up + token * 2 * inter_;
         silu_and_mul_row<float>(activated_.data() + token * inter_, gate, gate + inter_, inter_);
