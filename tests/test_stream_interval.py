@@ -44,8 +44,9 @@ def test_tokens_stream_in_chunks_with_the_same_text_and_usage(client: OpenAI):
     )
     texts = [chunk.choices[0].text for chunk in chunks if chunk.choices and chunk.choices[0].text]
     assert "".join(texts) == whole.choices[0].text
-    # Ten tokens as 1 + 3 + 3 + 3: at most four text events (a token that ends mid-character may add nothing).
-    assert 2 <= len(texts) <= 4
+    # Ten tokens as 1 + 3 + 3 + 3: at most four text events (a token that ends mid-character may add nothing); outputs
+    # that pile up while the stream is busy come merged (the server's contract), so a fast server may send fewer.
+    assert 1 <= len(texts) <= 4
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
     finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
     assert finish == ["length"]
