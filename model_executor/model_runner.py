@@ -277,10 +277,11 @@ class ModelRunner:
         bucket = None
         if self.decode_graphs is not None and num_decodes == len(query_lens):
             bucket = bucket_for(num_decodes, self.decode_graphs.buckets)
+        sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         if bucket is not None:
             decode_inputs = self._decode_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
             padded_hidden = self.decode_graphs.run(decode_inputs, bucket)
-            hidden_states = padded_hidden[:num_decodes]
+            sample_hidden = padded_hidden[:num_decodes]
         else:
             attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes)
             attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
@@ -289,14 +290,17 @@ class ModelRunner:
             intermediate = None
             if not self.parallel.is_first_stage:
                 intermediate = self._receive_intermediate(len(input_ids))
-            hidden_states = self.model(input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate)
-        if not self.parallel.is_last_stage:
-            self._send_intermediate(hidden_states)
-            return StepResult()
+            # Rows that sample nothing (a prompt's earlier tokens) skip the last layer's projection and MLP.
+            output_rows = sample_index if len(sample_rows) < len(input_ids) else None
+            hidden_states = self.model(
+                input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate, output_rows=output_rows
+            )
+            if not self.parallel.is_last_stage:
+                self._send_intermediate(hidden_states)
+                return StepResult()
+            sample_hidden = hidden_states
         if not sample_rows:
             return StepResult()
-        sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        sample_hidden = hidden_states.index_select(0, sample_index)
         sampling_rows = [state.sampling_row for state in sampling_states]
         greedy_index = (
             [index for index, row in enumerate(sampling_rows) if self.sampler.is_plain_greedy(row)]

@@ -47,7 +47,7 @@ def random_llama(pp_rank: int = 0, pp_size: int = 1, panels: bool = False, **ove
         for module in model.modules():
             if isinstance(module, PackableWeight):
                 module.pack_weights()
-        assert model.layers["0"].mlp.gate_up_proj.panel_weight is not None
+        assert next(iter(model.layers.values())).mlp.gate_up_proj.panel_weight is not None
     assert model.prepare_decode_stack()
     return model
 
@@ -208,3 +208,45 @@ def test_no_stack_in_bf16() -> None:
     model.to(torch.bfloat16)
     model.decode_stack = None
     assert not model.prepare_decode_stack()
+
+
+@pytest.mark.parametrize(("panels", "pp_rank", "pp_size"), [(False, 0, 1), (True, 0, 1), (True, 1, 2), (True, 0, 2)])
+@pytest.mark.parametrize("output_rows", [[2, 9, 10], [9], []])
+def test_output_rows_skip_the_last_layer_for_the_others_and_cache_every_row(
+    panels: bool, pp_rank: int, pp_size: int, output_rows: list[int]
+) -> None:
+    """A mixed step (two decodes, a 7-token prompt and a 5-token chunk of another) asked for the
+    rows that sample: those rows' hidden states equal the full step's, every row's keys and values are cached all
+    the same, and a first pipeline stage hands every row on."""
+    model = random_llama(pp_rank=pp_rank, pp_size=pp_size, panels=panels)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
+    num_new, num_cached = [1, 1, 7, 5], [3, 6, 0, 2]
+    hidden = torch.randn(sum(num_new), model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    outputs, caches = [], []
+    for rows in (None, torch.tensor(output_rows, dtype=torch.int64)):
+        # A fresh copy each time: the first norm works in place on (hidden, residual).
+        intermediate = (hidden.clone(), hidden * 0.5) if pp_rank > 0 else None
+        step_caches = new_caches(model)
+        for cached, table in zip(num_cached, tables, strict=True):
+            if cached:
+                prefix = (torch.zeros(cached, model.config.hidden_size),) * 2 if pp_rank > 0 else None
+                run(model, step_caches, attention_batch([cached], [0], [table]), prefix)
+        batch = attention_batch(num_new, num_cached, tables)
+        metadata = model.attention_backend.build_metadata(batch, BLOCK_SIZE, CPU)
+        positions = torch.tensor([p for n, c in zip(num_new, num_cached, strict=True) for p in range(c, c + n)])
+        with torch.inference_mode():
+            output = model(
+                (positions * 7 + 3) % model.config.vocab_size, positions, step_caches, metadata, intermediate, rows
+            )
+        outputs.append(as_tuple(output))
+        caches.append(step_caches)
+    full, selected = outputs
+    for full_cache, selected_cache in zip(*caches, strict=True):
+        torch.testing.assert_close(selected_cache, full_cache, rtol=0, atol=0)
+    if not model.parallel.is_last_stage:
+        assert [t.shape[0] for t in selected] == [sum(num_new)] * 2
+        for full_part, selected_part in zip(full, selected, strict=True):
+            torch.testing.assert_close(selected_part, full_part, rtol=0, atol=0)
+        return
+    assert selected[0].shape == (len(output_rows), model.config.hidden_size)
+    torch.testing.assert_close(selected[0], full[0][output_rows], rtol=1e-6, atol=1e-6)

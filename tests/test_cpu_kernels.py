@@ -369,8 +369,9 @@ def test_linear_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_t
 
 
 @pytest.mark.parametrize(("rows", "columns"), [(960, 576), (7, 13), (49, 5), (1, 8), (3, 1536), (3072, 576)])
-# 8 and 6 tokens: full tiles (8 with AVX-512, 6 with AVX2) and remainders; 512 a prefill chunk.
-@pytest.mark.parametrize("num_tokens", [1, 3, 5, 6, 8, 13, 64, 97, 512])
+# 8 and 6 tokens: full tiles (8 with AVX-512, 6 with AVX2) and remainders; 512 a prefill chunk; 0 a step whose
+# rows all skip a projection.
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 5, 6, 8, 13, 64, 97, 512])
 def test_panel_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
     ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(rows * 1000 + columns)

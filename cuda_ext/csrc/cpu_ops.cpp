@@ -1128,6 +1128,9 @@ constexpr int64_t kClaimPanelsMin = 2;
 
 void panel_linear_kernel(const float* x, int64_t x_stride, int64_t num_tokens, const float* packed, int64_t rows,
                          int64_t columns, float* out, int64_t out_stride) {
+  if (num_tokens == 0) {
+    return;  // a step whose rows all skip this projection (nothing to sample)
+  }
   const int64_t panels = num_panels(rows);
   const int64_t panel_floats = columns * kPanelWidth;
   const int64_t num_tiles = (num_tokens + kPanelTokens - 1) / kPanelTokens;

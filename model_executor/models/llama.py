@@ -63,7 +63,14 @@ class LlamaAttention(nn.Module):
             getattr(config, "sliding_window", None),
         )
 
-    def forward(self, step: StepInputs, hidden_states: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        step: StepInputs,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every row's keys and values go into the cache; the output is `output_rows`' only (all rows if None)."""
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         query = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
@@ -72,6 +79,8 @@ class LlamaAttention(nn.Module):
         # Rotated in place inside qkv; each backend copies to contiguous only what its kernels need.
         step.rotary.apply(query, key, step.cos_sin)
         attended = self.attn.forward(query, key, value, kv_cache, step.attn_metadata)
+        if output_rows is not None:
+            attended = attended.index_select(0, output_rows)
         return self.o_proj(attended)
 
 
@@ -101,14 +110,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, step: StepInputs, hidden_states: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor
+        self,
+        step: StepInputs,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) of `output_rows` only (all rows if None); every row's K/V is cached either way."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(step, hidden_states, kv_cache)
+        hidden_states = self.self_attn(step, hidden_states, kv_cache, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -217,10 +234,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: Any,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Last stage: final hidden states. Other stages: (hidden, residual) for the next stage.
 
-        Stages after the first take the previous stage's (hidden, residual) as `intermediate`.
+        Stages after the first take the previous stage's (hidden, residual) as `intermediate`. On the last stage,
+        `output_rows` (int64 row indices) asks for those rows' final hidden states only: the last layer still
+        caches every row's keys and values, but runs its output projection and MLP on those rows alone (a prefill
+        chunk samples from its last token only).
         """
         cos_sin = self.rotary.cos_sin(positions)
         if self.parallel.is_first_stage:
@@ -245,10 +266,17 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             step = StepInputs(attn_metadata, self.rotary, cos_sin)
-            for layer, kv_cache in zip(self.layers.values(), kv_caches):
-                hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
+            last_layer_rows = output_rows if self.parallel.is_last_stage else None
+            num_layers = len(self.layers)
+            for index, (layer, kv_cache) in enumerate(zip(self.layers.values(), kv_caches)):
+                rows = last_layer_rows if index == num_layers - 1 else None
+                hidden_states, residual = layer(step, hidden_states, residual, kv_cache, rows)
+            if num_layers:
+                output_rows = None  # the last layer applied them
         if not self.parallel.is_last_stage:
             return hidden_states, residual
+        if output_rows is not None:
+            hidden_states, residual = hidden_states.index_select(0, output_rows), residual.index_select(0, output_rows)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
