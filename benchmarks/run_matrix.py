@@ -126,8 +126,45 @@ def batch1_roofline_tok_per_s(model_dir: str) -> float:
     return matmul_roofline(model_dir, 1, ROOFLINE_AROUND_STEPS, show_progress=False)["tok_per_s"]
 
 
+class OfflineEngine:
+    """The offline `LLM` API in this process, loaded once: timed on the matrix's prompts at the end, and on fresh
+    prompts of the same lengths right before and right after our HTTP runs (beside the idle server, as the
+    roofline is), so an HTTP / offline ratio compares the same minutes of this machine."""
+
+    def __init__(self) -> None:
+        from configs.sampling_params import SamplingParams
+        from executor import LLM
+
+        self.llm = LLM(model=MODEL_ID, show_progress=False)
+        self.params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        self.llm.generate(synthetic_prompts(2, 48, 5), self.params, use_tqdm=False)  # warm-up
+
+    def tok_per_s(self, scenario: str, seed_offset: int = 0) -> float:
+        """Output tok/s of the scenario's prompts (its seed + seed_offset): all at once for 64 streams, one at a
+        time for one stream."""
+        settings = SCENARIOS[scenario]
+        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"] + seed_offset)
+        start = time.perf_counter()
+        if settings.get("max_concurrency") == 1:
+            outputs = [o for prompt in prompts for o in self.llm.generate([prompt], self.params, use_tqdm=False)]
+        else:
+            outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+# Scenarios whose HTTP run the offline engine brackets, and the seed offsets of its prompts before and after (each
+# run fresh prompts: the offline engine's prefix cache would serve repeated ones).
+OFFLINE_BRACKETED = ("64 streams", "1 stream")
+OFFLINE_BRACKET_SEEDS = (300, 400)
+
+
 def bench_server(
-    name: str, port: int, server_pid: int, roofline_model_dir: str | None = None
+    name: str,
+    port: int,
+    server_pid: int,
+    roofline_model_dir: str | None = None,
+    offline: OfflineEngine | None = None,
 ) -> dict[str, dict[str, Any]]:
     # What the server's processes burn with no request at all (heartbeats, metrics, polling loops).
     before = process_tree_cpu_s(server_pid)
@@ -143,11 +180,16 @@ def bench_server(
         }
         bracket = roofline_model_dir is not None and scenario == "1 stream"
         roofline_before = batch1_roofline_tok_per_s(roofline_model_dir) if bracket else None
+        offline_bracket = offline is not None and scenario in OFFLINE_BRACKETED
+        offline_before = offline.tok_per_s(scenario, OFFLINE_BRACKET_SEEDS[0]) if offline_bracket else None
         before, client_before = process_tree_cpu_s(server_pid), time.process_time()
         result = asyncio.run(run_benchmark(config))
         after, client_s = process_tree_cpu_s(server_pid), time.process_time() - client_before
         ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
         results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
+        if offline_bracket:
+            offline_after = offline.tok_per_s(scenario, OFFLINE_BRACKET_SEEDS[1])
+            results[scenario]["offline_tok_per_s"] = {"before": offline_before, "after": offline_after}
         if bracket:
             roofline_after = batch1_roofline_tok_per_s(roofline_model_dir)
             results[scenario]["batch1_roofline_tok_per_s"] = {"before": roofline_before, "after": roofline_after}
@@ -156,25 +198,12 @@ def bench_server(
     return results
 
 
-def offline_figures(model_dir: str) -> dict[str, float]:
+def offline_figures(offline: OfflineEngine) -> dict[str, float]:
     """The offline LLM API on the 64-stream and 1-stream prompts, and a bare 128-token prefill forward."""
     from configs.sampling_params import SamplingParams
-    from executor import LLM
 
-    llm = LLM(model=MODEL_ID, show_progress=False)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate(synthetic_prompts(2, 48, 5), params, use_tqdm=False)  # warm-up
-    figures = {}
-    for scenario, concurrency in (("64 streams", None), ("1 stream", 1)):
-        settings = SCENARIOS[scenario]
-        prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"])
-        start = time.perf_counter()
-        if concurrency is None:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        else:
-            outputs = [output for prompt in prompts for output in llm.generate([prompt], params, use_tqdm=False)]
-        elapsed = time.perf_counter() - start
-        figures[f"{scenario} offline tok/s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+    llm, params = offline.llm, offline.params
+    figures = {f"{scenario} offline tok/s": offline.tok_per_s(scenario) for scenario in ("64 streams", "1 stream")}
     one_token = SamplingParams(temperature=0, max_tokens=1)
     timings = []
     for attempt in range(5):
@@ -270,7 +299,8 @@ def main() -> int:
     )
     try:
         roofline_model_dir = model_dir if args.baselines else None
-        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid, roofline_model_dir)
+        offline = OfflineEngine()
+        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid, roofline_model_dir, offline)
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
             # A fresh seed: the first run's prompts are in the prefix cache now.
@@ -290,12 +320,33 @@ def main() -> int:
         finally:
             stop_server(vllm)
 
-    report["offline"] = offline_figures(model_dir)
+    report["offline"] = offline_figures(offline)
     print_report(report)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     logger.info("server logs in %s", logs)
     return 0
+
+
+def around_tok_per_s(around: dict[str, float]) -> float:
+    """Tok/s of two runs bracketing another as their step times' mean: whichever side the machine drifted."""
+    return 2 / (1 / around["before"] + 1 / around["after"])
+
+
+def offline_around_ratios(ours: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """HTTP / the offline engine timed right before and after that HTTP run, per bracketed scenario."""
+    ratios = {}
+    for scenario in OFFLINE_BRACKETED:
+        around = ours[scenario].get("offline_tok_per_s")
+        if around:
+            print(
+                f"offline {scenario} timed around the HTTP run: {around['before']:.1f} before, "
+                f"{around['after']:.1f} after, {around_tok_per_s(around):.1f} tok/s"
+            )
+            ratios[f"HTTP / offline timed around it, {scenario}"] = ours[scenario][
+                "output_throughput"
+            ] / around_tok_per_s(around)
+    return ratios
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -324,6 +375,7 @@ def print_report(report: dict[str, Any]) -> None:
     ratios = {
         "HTTP / offline, 64 streams": ours["64 streams"]["output_throughput"] / offline["64 streams offline tok/s"],
         "HTTP / offline, 1 stream": ours["1 stream"]["output_throughput"] / offline["1 stream offline tok/s"],
+        **offline_around_ratios(ours),
         "128-token TTFT / bare prefill": ours["128-token prompt TTFT"]["median_ttft_ms"]
         / offline["128-token prefill forward ms"],
         "cold / cached-prefix TTFT": ours["1000-token prompt, cold"]["median_ttft_ms"]
@@ -350,8 +402,7 @@ def print_report(report: dict[str, Any]) -> None:
         ratios["64 streams tok/s vs matmul roofline"] = baselines["ratio_ours_vs_roofline"]
         around = ours["1 stream"].get("batch1_roofline_tok_per_s")
         if around:
-            # The step times' mean: the roofline over the minutes of the run, whichever side drifted.
-            roofline = 2 / (1 / around["before"] + 1 / around["after"])
+            roofline = around_tok_per_s(around)
             print(
                 f"batch-1 roofline timed around the 1-stream run: {around['before']:.1f} before, "
                 f"{around['after']:.1f} after, {roofline:.1f} tok/s"
