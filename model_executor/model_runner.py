@@ -277,7 +277,6 @@ class ModelRunner:
         bucket = None
         if self.decode_graphs is not None and num_decodes == len(query_lens):
             bucket = bucket_for(num_decodes, self.decode_graphs.buckets)
-        sample_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         if bucket is not None:
             decode_inputs = self._decode_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
             padded_hidden = self.decode_graphs.run(decode_inputs, bucket)
@@ -291,7 +290,11 @@ class ModelRunner:
             if not self.parallel.is_first_stage:
                 intermediate = self._receive_intermediate(len(input_ids))
             # Rows that sample nothing (a prompt's earlier tokens) skip the last layer's projection and MLP.
-            output_rows = sample_index if len(sample_rows) < len(input_ids) else None
+            output_rows = (
+                torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+                if len(sample_rows) < len(input_ids)
+                else None
+            )
             hidden_states = self.model(
                 input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate, output_rows=output_rows
             )

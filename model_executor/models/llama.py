@@ -266,13 +266,13 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             step = StepInputs(attn_metadata, self.rotary, cos_sin)
-            last_layer_rows = output_rows if self.parallel.is_last_stage else None
-            num_layers = len(self.layers)
-            for index, (layer, kv_cache) in enumerate(zip(self.layers.values(), kv_caches)):
-                rows = last_layer_rows if index == num_layers - 1 else None
-                hidden_states, residual = layer(step, hidden_states, residual, kv_cache, rows)
-            if num_layers:
-                output_rows = None  # the last layer applied them
+            # Every stage owns at least one layer (stage_layer_range); the last one may narrow to output_rows.
+            *earlier, (last_layer, last_cache) = zip(self.layers.values(), kv_caches)
+            for layer, kv_cache in earlier:
+                hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
+            last_rows = output_rows if self.parallel.is_last_stage else None
+            hidden_states, residual = last_layer(step, hidden_states, residual, last_cache, last_rows)
+            output_rows = None  # applied by the last layer
         if not self.parallel.is_last_stage:
             return hidden_states, residual
         if output_rows is not None:
