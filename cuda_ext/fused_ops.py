@@ -1,6 +1,5 @@
-"""Per-layer fused ops: our C++ kernels on CPU tensors where they built, the torch reference otherwise.
-
-The model calls these, never the kernels directly, so CUDA (and CPU without a compiler) keeps the torch path.
+"""Per-layer fused ops: our C++ kernels on CPU tensors where they built, our Triton kernels on CUDA tensors, the
+torch reference otherwise (CPU without a compiler). The model calls these, never the kernels directly.
 """
 
 from __future__ import annotations
@@ -15,6 +14,15 @@ def _cpu_ops(tensor: torch.Tensor):
     return load_cpu_ops() if tensor.device.type == "cpu" else None
 
 
+def _triton_ops(tensor: torch.Tensor):
+    if tensor.device.type != "cuda":
+        return None
+    # Imported on first CUDA use: CPU-only runs never import triton.
+    from cuda_ext.kernels import fused_elementwise
+
+    return fused_elementwise
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Variance in fp32 whatever the activation dtype, as the reference implementation does.
     x_fp32 = x.float()
@@ -22,14 +30,26 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x) over the last dim."""
+    kernels = _triton_ops(x)
+    if kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return kernels.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual). The C++ path reuses both inputs' memory for the outputs."""
+    """(RMSNorm(x + residual), x + residual). The C++ and Triton paths reuse both inputs' memory for the outputs."""
     ops = _cpu_ops(x)
     if ops is not None and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
         ops.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
+    kernels = _triton_ops(x)
+    same_layout = x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape
+    if kernels is not None and same_layout and torch.promote_types(weight.dtype, x.dtype) == x.dtype == residual.dtype:
+        return kernels.rms_norm(x, weight, eps, residual), residual
     summed = x + residual
     return rms_norm_reference(summed, weight, eps), summed
 
@@ -51,6 +71,10 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
     if ops is not None and query.stride(-1) == 1 and key.stride(-1) == 1:
         ops.rotary_embedding(query, key, cos, sin)
         return
+    kernels = _triton_ops(query)
+    if kernels is not None and query.stride(-1) == 1 and key.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1:
+        kernels.apply_rotary(query, key, cos, sin)
+        return
     rotary_reference(query, key, cos, sin, query.shape[-1] // 2)
 
 
@@ -62,4 +86,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(gate_up.shape[0], half, dtype=gate_up.dtype)
         ops.silu_and_mul(out, gate_up)
         return out
+    kernels = _triton_ops(gate_up)
+    if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return kernels.silu_and_mul(gate_up)
     return F.silu(gate_up[:, :half]) * gate_up[:, half:]

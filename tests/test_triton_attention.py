@@ -358,6 +358,7 @@ def test_kernels_compile_for_an_nvidia_gpu_without_one() -> None:
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("attention shared") == 2
+    assert result.stdout.count("4 elementwise kernels") == 2  # RMSNorm alone and with the residual, SiLU, rotary
 
 
 @interpreted

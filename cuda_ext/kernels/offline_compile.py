@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from cuda_ext.kernels import fused_elementwise
 from cuda_ext.kernels.reshape_and_cache import reshape_and_cache_kernel
 from cuda_ext.kernels.unified_attention import INTERPRETED, make_tile_config, unified_attention_kernel
 
@@ -105,6 +106,36 @@ def compile_reshape_and_cache(shape: LayerShape, arch: int = 90) -> triton.compi
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
+def compile_fused_elementwise(shape: LayerShape, arch: int = 90) -> list[triton.compiler.CompiledKernel]:
+    """RMSNorm (alone and with the residual add), SiLU-and-mul and rotary as `fused_elementwise` launches them for a
+    layer of hidden size num_heads * head_dim (MLP width four times that)."""
+    hidden = shape.num_heads * shape.head_dim
+    half = shape.head_dim // 2
+    launches = [
+        (fused_elementwise._rms_norm_kernel, {"HAS_RESIDUAL": False, "BLOCK": triton.next_power_of_2(hidden)}, {}),
+        (fused_elementwise._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": triton.next_power_of_2(hidden)}, {}),
+        (fused_elementwise._silu_and_mul_kernel, {"BLOCK": min(1024, triton.next_power_of_2(4 * hidden))}, {}),
+        (
+            fused_elementwise._rotary_kernel,
+            {
+                "Q_HEADS_PAD": triton.next_power_of_2(shape.num_heads),
+                "K_HEADS_PAD": triton.next_power_of_2(shape.num_kv_heads),
+                "HALF_PAD": triton.next_power_of_2(half),
+            },
+            {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+        ),
+    ]
+    compiled = []
+    for kernel, constexprs, pointer_types in launches:
+        pointers = {name: f"*{shape.dtype}" for name in kernel.arg_names if name.endswith("_ptr")} | pointer_types
+        signature = _signature(kernel, constexprs, pointers, ("eps",))
+        block = constexprs.get("BLOCK", 1024)
+        options = {"num_warps": fused_elementwise._num_warps(block)}
+        source = ASTSource(kernel, signature, constexprs)
+        compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options))
+    return compiled
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100) or 90 (H100)")
@@ -117,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         attention = compile_unified_attention(shape, args.arch)
         cache_write = compile_reshape_and_cache(shape, args.arch)
+        elementwise = compile_fused_elementwise(shape, args.arch)
         print(
             f"sm_{args.arch} {shape}: attention shared {attention.metadata.shared} B, "
-            f"cache write shared {cache_write.metadata.shared} B ({time.perf_counter() - start:.1f} s)"
+            f"cache write shared {cache_write.metadata.shared} B, {len(elementwise)} elementwise kernels "
+            f"({time.perf_counter() - start:.1f} s)"
         )
     return 0
 
