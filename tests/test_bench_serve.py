@@ -4,8 +4,12 @@ tiny model, and real runs over HTTP against a tiny model deployed on Ray Serve."
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import logging
 import math
+import re
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -403,3 +407,17 @@ def test_chat_endpoint_and_shared_prefix(bench_url):
     result = asyncio.run(run_benchmark(config))
     assert result["summary"]["completed"] == 4
     assert result["output_lens"] == [4] * 4
+
+
+def test_offline_throughput_cli_logs_each_stream_count(caplog):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_throughput.py"
+    spec = importlib.util.spec_from_file_location("offline_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    arguments = ["--model", "tiny-random-llama", "--device", "cpu", "--streams", "1,3", "--output-len", "4"]
+    with caplog.at_level(logging.INFO, logger="offline_throughput"):
+        assert module.main(arguments) == 0
+    [report] = [record.getMessage() for record in caplog.records if record.name == "offline_throughput"]
+    assert re.fullmatch(r"ours on cpu \(float32\): 1 streams [\d.]+ tok/s, 3 streams [\d.]+ tok/s", report), report
+    with pytest.raises(SystemExit):
+        module.main(["--compare-torch-elementwise", "--device", "cpu"])

@@ -1,0 +1,136 @@
+"""Offline `LLM` throughput at several stream counts on any device (the GPU figures in the README come from here).
+
+    python benchmarks/offline_throughput.py [--model smollm2-135m-instruct | DIR | --random-weights]
+        [--device cuda] [--dtype bfloat16] [--streams 1,64,256] [--input-len 48] [--output-len 128]
+
+Each count runs every stream's prompt of random tokens at once through `LLM.generate` (greedy, ignore_eos) after a
+warm-up, and prints output tokens/s; one stream is the median of three runs. `--random-weights` builds a model of
+SmolLM2-135M's shapes with random weights and the default model's tokenizer (where the weights cannot be copied, as
+on the lent GPU box the README's figures come from): the same work per token, not the same tokens.
+`--compare-torch-elementwise` also times the torch compositions in place of our Triton elementwise kernels (CUDA
+only), alternated twice in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+logger = logging.getLogger("offline_throughput")
+
+SMOLLM2_SHAPE = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+}
+
+
+def random_smollm2_shaped(directory: Path) -> Path:
+    """SmolLM2-135M's config with seed-0 random weights and the default model's tokenizer files."""
+    from configs.engine_config import DEFAULT_MODEL
+    from model_executor.model_fetch import fetch_model
+    from model_executor.tiny_model import write_tiny_llama
+
+    return write_tiny_llama(directory, fetch_model(DEFAULT_MODEL), **SMOLLM2_SHAPE)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(llm: Any, prompts: dict[int, list[list[int]]], output_len: int, device: str) -> dict[int, float]:
+    from configs.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    warm_up = next(iter(prompts.values()))[:4]
+    llm.generate(warm_up, params, use_tqdm=False)
+    figures = {}
+    for streams, stream_prompts in prompts.items():
+        rates = []
+        for _ in range(3 if streams == 1 else 1):
+            synchronize(device)
+            start = time.perf_counter()
+            outputs = llm.generate(stream_prompts, params, use_tqdm=False)
+            synchronize(device)
+            tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+            rates.append(tokens / (time.perf_counter() - start))
+        figures[streams] = statistics.median(rates)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="alias or model directory")
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes, random weights")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--streams", default="1,64,256", help="comma-separated stream counts")
+    parser.add_argument("--input-len", type=int, default=48, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per stream")
+    parser.add_argument("--compare-torch-elementwise", action="store_true")
+    args = parser.parse_args(argv)
+    if args.compare_torch_elementwise and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--compare-torch-elementwise needs CUDA: the Triton elementwise kernels run on CUDA tensors only")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from cuda_ext import fused_ops
+    from executor import LLM
+
+    model = args.model
+    if args.random_weights:
+        model = str(random_smollm2_shaped(Path(tempfile.mkdtemp(prefix="smollm2-shaped-"))))
+    generator = torch.Generator().manual_seed(0)
+    counts = [int(count) for count in args.streams.split(",")]
+    prompts = {
+        count: [torch.randint(3, 49152, (args.input_len,), generator=generator).tolist() for _ in range(count)]
+        for count in counts
+    }
+    triton_elementwise = fused_ops._triton_ops
+    variants = ["ours", "torch elementwise"] * 2 if args.compare_torch_elementwise else ["ours"]
+    for variant in variants:
+        # Set before the engine captures its decode graphs, which record whichever kernels run.
+        fused_ops._triton_ops = triton_elementwise if variant == "ours" else (lambda tensor: None)
+        llm = LLM(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            show_progress=False,
+            max_num_seqs=max(counts),
+            max_num_batched_tokens=max(512, args.input_len * max(counts)),
+        )
+        runner = llm.engine.core.executor.worker.runner
+        figures = measure(llm, prompts, args.output_len, runner.device.type)
+        logger.info(
+            "%s on %s (%s): %s",
+            variant,
+            runner.device.type,
+            str(runner.model_info.dtype).removeprefix("torch."),
+            ", ".join(f"{count} streams {rate:.1f} tok/s" for count, rate in figures.items()),
+        )
+        del llm, runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    fused_ops._triton_ops = triton_elementwise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
