@@ -2,6 +2,7 @@
 
     python benchmarks/offline_throughput.py [--model smollm2-135m-instruct | DIR | --random-weights]
         [--device cuda] [--dtype bfloat16] [--streams 1,64,256] [--input-len 48] [--output-len 128]
+        [--kv-cache-memory-gib 1.0]
 
 Each count runs every stream's prompt of random tokens at once through `LLM.generate` (greedy, ignore_eos) after a
 warm-up, and prints output tokens/s; one stream is the median of three runs. `--random-weights` builds a model of
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,64,256", help="comma-separated stream counts")
     parser.add_argument("--input-len", type=int, default=48, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per stream")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="the engine's KV-cache budget")
     parser.add_argument("--compare-torch-elementwise", action="store_true")
     args = parser.parse_args(argv)
     if args.compare_torch_elementwise and (args.device == "cpu" or not torch.cuda.is_available()):
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=False,
             max_num_seqs=max(counts),
             max_num_batched_tokens=max(512, args.input_len * max(counts)),
+            kv_cache_memory_gib=args.kv_cache_memory_gib,
         )
         runner = llm.engine.core.executor.worker.runner
         figures = measure(llm, prompts, args.output_len, runner.device.type)
