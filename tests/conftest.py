@@ -39,22 +39,27 @@ def tiny_llama3_rope_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2
 
 
 class HFReference:
-    """HF transformers greedy generation on the same weights: the correctness anchor.
+    """HF transformers greedy generation in fp32 on the same weights: the correctness anchor (on CPU unless told).
 
     Stops at EOS like our engine does (EOS included in the tokens), so compare with ignore_eos=False.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         self.models: dict[Path, Any] = {}
 
-    def greedy(self, model_dir: Path, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    def model(self, model_dir: Path) -> Any:
         from transformers import AutoModelForCausalLM
 
         if model_dir not in self.models:
-            self.models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        input_ids = torch.tensor([list(prompt_token_ids)])
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self.models[model_dir] = model.to(self.device).eval()
+        return self.models[model_dir]
+
+    def greedy(self, model_dir: Path, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        input_ids = torch.tensor([list(prompt_token_ids)], device=self.device)
         with torch.inference_mode():
-            generated = self.models[model_dir].generate(
+            generated = self.model(model_dir).generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 do_sample=False,
@@ -62,6 +67,13 @@ class HFReference:
                 pad_token_id=0,
             )
         return generated[0, input_ids.shape[1] :].tolist()
+
+    def logits_after(self, model_dir: Path, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
+        """fp32 logits at each completion position, teacher-forced on the given completion."""
+        input_ids = torch.tensor([[*prompt, *completion]], device=self.device)
+        with torch.inference_mode():
+            logits = self.model(model_dir)(input_ids).logits[0]
+        return logits[len(prompt) - 1 : -1].float()
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,13 @@ inside the tests, so that test_triton_attention can still set the interpreter up
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import assert_no_leaked_blocks
+from tests.conftest import HFReference, assert_no_leaked_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
 
@@ -32,37 +31,9 @@ def compiled_triton() -> None:
         pytest.skip("this process interprets Triton kernels (TRITON_INTERPRET=1); the GPU needs compiled ones")
 
 
-class CudaHF:
-    """HF greedy generation on the GPU, in fp32: stops at EOS as our engine does."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(CUDA).eval()
-
-    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        input_ids = torch.tensor([list(prompt)], device=CUDA)
-        with torch.inference_mode():
-            generated = self.model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=0,
-            )
-        return generated[0, input_ids.shape[1] :].tolist()
-
-    def logits_after(self, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
-        """fp32 logits at each completion position, teacher-forced on the given completion."""
-        input_ids = torch.tensor([[*prompt, *completion]], device=CUDA)
-        with torch.inference_mode():
-            logits = self.model(input_ids).logits[0]
-        return logits[len(prompt) - 1 : -1].float()
-
-
 @pytest.fixture(scope="module")
-def cuda_hf(tiny_model_dir: Path) -> CudaHF:
-    return CudaHF(tiny_model_dir)
+def cuda_hf() -> HFReference:
+    return HFReference("cuda")
 
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:
@@ -89,9 +60,9 @@ def runner_of(llm: Any) -> Any:
     return llm.engine.core.executor.worker.runner
 
 
-def test_fp32_engine_on_cuda_matches_hf_batched_and_alone(tiny_model_dir: Path, cuda_hf: CudaHF) -> None:
+def test_fp32_engine_on_cuda_matches_hf_batched_and_alone(tiny_model_dir: Path, cuda_hf: HFReference) -> None:
     prompts = random_prompts(6, seed=1)
-    expected = [cuda_hf.greedy(ids, 40) for ids in prompts]
+    expected = [cuda_hf.greedy(tiny_model_dir, ids, 40) for ids in prompts]
     llm = cuda_llm(tiny_model_dir)
     runner = runner_of(llm)
     assert runner.attention_backend.name == "triton" and runner.device.type == "cuda"
@@ -102,19 +73,19 @@ def test_fp32_engine_on_cuda_matches_hf_batched_and_alone(tiny_model_dir: Path, 
     assert_no_leaked_blocks(llm)
 
 
-def test_cuda_chunked_prefill_of_a_long_prompt_matches_hf(tiny_model_dir: Path, cuda_hf: CudaHF) -> None:
+def test_cuda_chunked_prefill_of_a_long_prompt_matches_hf(tiny_model_dir: Path, cuda_hf: HFReference) -> None:
     long_prompt = [random.Random(4).randrange(3, 49152) for _ in range(1000)]
     prompts = [long_prompt, *random_prompts(3, seed=5)]
-    expected = [cuda_hf.greedy(ids, 32) for ids in prompts]
+    expected = [cuda_hf.greedy(tiny_model_dir, ids, 32) for ids in prompts]
     llm = cuda_llm(tiny_model_dir, max_num_batched_tokens=128)
     assert greedy_tokens(llm, prompts, 32) == expected
     assert_no_leaked_blocks(llm)
 
 
-def test_cuda_prefix_cache_hits_keep_hf_tokens(tiny_model_dir: Path, cuda_hf: CudaHF) -> None:
+def test_cuda_prefix_cache_hits_keep_hf_tokens(tiny_model_dir: Path, cuda_hf: HFReference) -> None:
     shared_prefix = [1, *(random.Random(2).randrange(3, 49152) for _ in range(59))]  # three full blocks and more
     prompts = [shared_prefix + tail for tail in random_prompts(4, seed=3)]
-    expected = [cuda_hf.greedy(ids, 24) for ids in prompts]
+    expected = [cuda_hf.greedy(tiny_model_dir, ids, 24) for ids in prompts]
     llm = cuda_llm(tiny_model_dir, enable_prefix_caching=True)
     first = greedy_tokens(llm, prompts[:1], 24)
     rest = greedy_tokens(llm, prompts[1:], 24)
@@ -123,16 +94,16 @@ def test_cuda_prefix_cache_hits_keep_hf_tokens(tiny_model_dir: Path, cuda_hf: Cu
     assert_no_leaked_blocks(llm)
 
 
-def test_cuda_preemption_keeps_hf_tokens(tiny_model_dir: Path, cuda_hf: CudaHF) -> None:
+def test_cuda_preemption_keeps_hf_tokens(tiny_model_dir: Path, cuda_hf: HFReference) -> None:
     prompts = random_prompts(8, seed=6)
-    expected = [cuda_hf.greedy(ids, 48) for ids in prompts]
+    expected = [cuda_hf.greedy(tiny_model_dir, ids, 48) for ids in prompts]
     llm = cuda_llm(tiny_model_dir, num_kv_blocks=12)
     assert greedy_tokens(llm, prompts, 48) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaked_blocks(llm)
 
 
-def test_bf16_engine_on_cuda_picks_fp32_argmax_up_to_rounding(tiny_model_dir: Path, cuda_hf: CudaHF) -> None:
+def test_bf16_engine_on_cuda_picks_fp32_argmax_up_to_rounding(tiny_model_dir: Path, cuda_hf: HFReference) -> None:
     """The default dtype on CUDA: every greedy pick is fp32's best or within bf16 rounding of it."""
     prompts = random_prompts(6, seed=7)
     llm = cuda_llm(tiny_model_dir, dtype="auto")
@@ -140,7 +111,7 @@ def test_bf16_engine_on_cuda_picks_fp32_argmax_up_to_rounding(tiny_model_dir: Pa
     completions = greedy_tokens(llm, prompts, 32)
     exact = total = 0
     for prompt, completion in zip(prompts, completions):
-        logits = cuda_hf.logits_after(prompt, completion)
+        logits = cuda_hf.logits_after(tiny_model_dir, prompt, completion)
         chosen = logits.gather(1, torch.tensor(completion, device=CUDA)[:, None])[:, 0]
         gaps = logits.max(-1).values - chosen
         assert gaps.max().item() <= BF16_LOGIT_SLACK, (prompt, completion, gaps.tolist())
