@@ -17,6 +17,26 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+# Each kernel's compile-time constants and warps for a layer shape: the launches below and offline_compile use these.
+def rms_norm_launch(hidden: int, has_residual: bool) -> tuple[dict, int]:
+    block = triton.next_power_of_2(hidden)
+    return {"HAS_RESIDUAL": has_residual, "BLOCK": block}, _num_warps(block)
+
+
+def silu_and_mul_launch(half: int) -> tuple[dict, int]:
+    block = min(1024, triton.next_power_of_2(half))
+    return {"BLOCK": block}, _num_warps(block)
+
+
+def rotary_launch(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[dict, int]:
+    constexprs = {
+        "Q_HEADS_PAD": triton.next_power_of_2(num_heads),
+        "K_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+        "HALF_PAD": triton.next_power_of_2(head_dim // 2),
+    }
+    return constexprs, 4
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -56,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         out = x
     if rows == 0:
         return out
-    block = triton.next_power_of_2(hidden)
+    constexprs, num_warps = rms_norm_launch(hidden, residual is not None)
     _rms_norm_kernel[(rows,)](
         x,
         residual if residual is not None else x,
@@ -67,9 +87,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         out.stride(0),
         hidden,
         eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
-        num_warps=_num_warps(block),
+        **constexprs,
+        num_warps=num_warps,
     )
     return out
 
@@ -92,9 +111,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
     if rows == 0:
         return out
-    block = min(1024, triton.next_power_of_2(half))
-    _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), half, BLOCK=block, num_warps=_num_warps(block)
+    constexprs, num_warps = silu_and_mul_launch(half)
+    _silu_and_mul_kernel[(rows, triton.cdiv(half, constexprs["BLOCK"]))](
+        gate_up, out, gate_up.stride(0), out.stride(0), half, **constexprs, num_warps=num_warps
     )
     return out
 
@@ -144,7 +163,7 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
     tokens, num_heads, head_dim = query.shape
     if tokens == 0:
         return
-    half = head_dim // 2
+    constexprs, num_warps = rotary_launch(num_heads, key.shape[1], head_dim)
     _rotary_kernel[(tokens,)](
         query,
         key,
@@ -158,9 +177,7 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin:
         sin.stride(0),
         num_heads,
         key.shape[1],
-        half,
-        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
+        head_dim // 2,
+        **constexprs,
+        num_warps=num_warps,
     )

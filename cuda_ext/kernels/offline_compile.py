@@ -110,29 +110,22 @@ def compile_fused_elementwise(shape: LayerShape, arch: int = 90) -> list[triton.
     """RMSNorm (alone and with the residual add), SiLU-and-mul and rotary as `fused_elementwise` launches them for a
     layer of hidden size num_heads * head_dim (MLP width four times that)."""
     hidden = shape.num_heads * shape.head_dim
-    half = shape.head_dim // 2
     launches = [
-        (fused_elementwise._rms_norm_kernel, {"HAS_RESIDUAL": False, "BLOCK": triton.next_power_of_2(hidden)}, {}),
-        (fused_elementwise._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": triton.next_power_of_2(hidden)}, {}),
-        (fused_elementwise._silu_and_mul_kernel, {"BLOCK": min(1024, triton.next_power_of_2(4 * hidden))}, {}),
+        (fused_elementwise._rms_norm_kernel, fused_elementwise.rms_norm_launch(hidden, False), {}),
+        (fused_elementwise._rms_norm_kernel, fused_elementwise.rms_norm_launch(hidden, True), {}),
+        (fused_elementwise._silu_and_mul_kernel, fused_elementwise.silu_and_mul_launch(4 * hidden), {}),
         (
             fused_elementwise._rotary_kernel,
-            {
-                "Q_HEADS_PAD": triton.next_power_of_2(shape.num_heads),
-                "K_HEADS_PAD": triton.next_power_of_2(shape.num_kv_heads),
-                "HALF_PAD": triton.next_power_of_2(half),
-            },
+            fused_elementwise.rotary_launch(shape.num_heads, shape.num_kv_heads, shape.head_dim),
             {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
         ),
     ]
     compiled = []
-    for kernel, constexprs, pointer_types in launches:
+    for kernel, (constexprs, num_warps), pointer_types in launches:
         pointers = {name: f"*{shape.dtype}" for name in kernel.arg_names if name.endswith("_ptr")} | pointer_types
         signature = _signature(kernel, constexprs, pointers, ("eps",))
-        block = constexprs.get("BLOCK", 1024)
-        options = {"num_warps": fused_elementwise._num_warps(block)}
         source = ASTSource(kernel, signature, constexprs)
-        compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options))
+        compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}))
     return compiled
 
 
