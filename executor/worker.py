@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from configs.engine_config import EngineConfig
-from executor.heap import freeze_startup_heap
+from executor.heap import freeze_startup_heap, keep_freed_memory
 from executor.step_channel import open_step_listener
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import ModelInfo
@@ -97,6 +97,7 @@ class ModelWorker:
         self.config = config
         self.pp_rank = pp_rank
         self.tp_rank = tp_rank
+        keep_freed_memory(single_arena=compute_thread)
         self.compute = ComputeThread(f"model-pp{pp_rank}-tp{tp_rank}") if compute_thread else None
         # Ray sets OMP_NUM_THREADS=1 in workers; each worker takes its own share of the cores instead.
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
