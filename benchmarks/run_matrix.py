@@ -29,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cluster.bench_serve import run_benchmark, synthetic_prompts  # noqa: E402
+from cluster.bench_serve import run_benchmark, run_client, synthetic_prompts  # noqa: E402
 
 logger = logging.getLogger("run_matrix")
 MODEL_ID = "smollm2-135m-instruct"
@@ -183,7 +183,7 @@ def bench_server(
         offline_bracket = offline is not None and scenario in OFFLINE_BRACKETED
         offline_before = offline.tok_per_s(scenario, OFFLINE_BRACKET_SEEDS[0]) if offline_bracket else None
         before, client_before = process_tree_cpu_s(server_pid), time.process_time()
-        result = asyncio.run(run_benchmark(config))
+        result = run_client(run_benchmark(config))
         after, client_s = process_tree_cpu_s(server_pid), time.process_time() - client_before
         ttfts = [ttft for ttft in result["ttfts"] if ttft is not None]
         results[scenario] = {**result["summary"], "ttfts_ms": [ttft * 1000 for ttft in ttfts]}
@@ -298,7 +298,7 @@ def main() -> int:
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
             # A fresh seed: the first run's prompts are in the prefix cache now.
-            result = asyncio.run(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 21, "baselines": True}))
+            result = run_client(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 21, "baselines": True}))
             report["baselines"] = result.get("baselines")
     finally:
         stop_server(ours)

@@ -21,15 +21,16 @@ import math
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Common English words, so prompts tokenize to ordinary tokens in every tokenizer (no dataset download).
 COMMON_WORDS = (
@@ -355,6 +356,17 @@ async def sse_payloads(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]
             return
         if payload:
             yield payload
+
+
+def run_client(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark client on uvloop where it is installed (it comes with Ray Serve's uvicorn): the client
+    shares the machine with the server under test, and uvloop's event loop takes less of it (64 streams of 64
+    chunks from a local server: 0.14 CPU-s against 0.20-0.21 on asyncio's own loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def client_session(max_connections: int | None, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:

@@ -27,11 +27,9 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Exit status 1 when any request failed, so scripts notice a broken endpoint."""
-    import asyncio
+    from cluster.bench_serve import run_benchmark, run_client
 
-    from cluster.bench_serve import run_benchmark
-
-    result = asyncio.run(run_benchmark(args))
+    result = run_client(run_benchmark(args))
     return 1 if result["summary"]["failed"] else 0
 
 

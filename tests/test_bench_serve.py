@@ -25,6 +25,7 @@ from cluster.bench_serve import (
     parse_batch_sizes,
     percentile,
     run_benchmark,
+    run_client,
     send_request,
     summarize,
     synthetic_prompts,
@@ -349,6 +350,16 @@ def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
     assert saved["config"]["request_rate"] == "inf"
     assert {"ttfts", "itls", "e2els", "output_lens", "input_lens", "errors", "date"} <= set(saved)
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_the_client_runs_on_uvloop_where_installed():
+    """The CLI's client shares the machine with the server it measures: it takes uvloop's cheaper event loop."""
+    pytest.importorskip("uvloop")
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_client(loop_module()).startswith("uvloop")
 
 
 def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, tmp_path, capsys):
