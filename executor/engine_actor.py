@@ -389,8 +389,10 @@ class EngineActor:
         self._ensure_loop()
         if not self.client_outputs.get(client_id):
             self._raise_if_dead()
+            # asyncio.timeout, not wait_for: this runs once per step per client, and wait_for wraps it in a task.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.client_events[client_id].wait(), OUTPUT_POLL_TIMEOUT_S)
+                async with asyncio.timeout(OUTPUT_POLL_TIMEOUT_S):
+                    await self.client_events[client_id].wait()
 
     def _take_outputs(self, client_id: str) -> list[EngineOutput]:
         self.client_events[client_id].clear()

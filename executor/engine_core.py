@@ -186,7 +186,7 @@ class EngineCore:
         plan, pending = self.steps_in_flight.popleft()
         return self._collect(plan, await pending)
 
-    def _record_tokens(self, request: Request, num_tokens: int, now: float) -> None:
+    def _record_tokens(self, request: Request, now: float) -> None:
         metrics = self.metrics
         if request.first_token_time is None:
             request.first_token_time = now
@@ -194,7 +194,6 @@ class EngineCore:
         else:
             metrics.observe(metrics.itl, now - request.last_token_time)
         request.last_token_time = now
-        metrics.increment(metrics.generation_tokens, num_tokens)
 
     def _record_finish(self, request: Request, finish_reason: str) -> None:
         metrics, now = self.metrics, time.monotonic()
@@ -207,8 +206,10 @@ class EngineCore:
         outputs = []
         finished_parents = set()
         now = time.monotonic()
+        num_new_tokens = 0
         for update in self.scheduler.update_from_output(plan, result):
-            self._record_tokens(update.request, len(update.new_token_ids), now)
+            self._record_tokens(update.request, now)
+            num_new_tokens += len(update.new_token_ids)
             if update.finished:
                 self._record_finish(update.request, update.request.finish_reason)
             owner = self.sequence_owner.get(update.request.request_id)
@@ -228,6 +229,7 @@ class EngineCore:
             )
             if update.finished:
                 finished_parents.add(request_id)
+        self.metrics.increment(self.metrics.generation_tokens, num_new_tokens)
         for request_id in finished_parents:
             self._forget_if_done(request_id)
         return outputs

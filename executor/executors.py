@@ -167,6 +167,12 @@ class RayExecutor(Executor):
         return asyncio.ensure_future(self._driver_result(self._submit(plan)))
 
     async def _channel_result(self, replies: list[asyncio.Future]) -> StepResult:
+        if len(replies) == 1:
+            # One worker (no parallelism): its reply is the step's, without asyncio.wait's per-step bookkeeping.
+            try:
+                return await replies[0]
+            except Exception as failure:
+                raise EngineDeadError(f"model worker failed: {failure}") from failure
         # The first failure ends the step: the other ranks may be waiting for the failed one in a collective.
         done, _ = await asyncio.wait(replies, return_when=asyncio.FIRST_EXCEPTION)
         failures = [reply.exception() for reply in done if reply.exception() is not None]

@@ -5,8 +5,6 @@ Gauges are read from the scheduler at scrape time; counters and histograms are f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
@@ -22,6 +20,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, engine_index: int = 0):
         self.registry = CollectorRegistry()
+        self._series: dict[tuple, list] = {}
         self.model_name = model_name
         self.engine = str(engine_index)
         labels = ["model_name", "engine"]
@@ -58,14 +57,21 @@ class EngineMetrics:
         self._seen_prefix_queries = 0
         self._seen_prefix_hits = 0
 
-    def _labelled(self, metrics: Iterable, **labels: str) -> list:
-        return [metric.labels(model_name=self.model_name, engine=self.engine, **labels) for metric in metrics]
+    def _labelled(self, metrics: list, **labels: str) -> list:
+        """The labelled series of `metrics` (both prefixes), looked up once: the step loop feeds them per token, and
+        prometheus_client's `labels()` validates and hashes its arguments on every call."""
+        key = (id(metrics), *labels.items())
+        series = self._series.get(key)
+        if series is None:
+            series = [metric.labels(model_name=self.model_name, engine=self.engine, **labels) for metric in metrics]
+            self._series[key] = series
+        return series
 
-    def observe(self, metrics: Iterable, value: float) -> None:
+    def observe(self, metrics: list, value: float) -> None:
         for metric in self._labelled(metrics):
             metric.observe(value)
 
-    def increment(self, metrics: Iterable, amount: float = 1.0, **labels: str) -> None:
+    def increment(self, metrics: list, amount: float = 1.0, **labels: str) -> None:
         if amount:
             for metric in self._labelled(metrics, **labels):
                 metric.inc(amount)
