@@ -86,6 +86,21 @@ def _worker_handle(engine):
     return ray.get(engine.worker_handles.remote())[0]
 
 
+def _kill_and_wait(actor, timeout_s: float = 30) -> None:
+    """ray.kill returns before the process is gone: a call in between can still be answered."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        try:
+            ray.get(actor.__ray_call__.remote(lambda _actor: None), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue  # dying: its death is not known yet
+        time.sleep(0.1)
+
+
 def test_start_up_heap_is_frozen_and_a_rebuild_lets_the_failed_engine_go(engine):
     """What the scheduler actor and its worker load at start-up is out of the cyclic GC's full collections (each
     rescan of it stalled every stream); after a rebuild the failed engine is gone, not kept, and the new one frozen.
@@ -108,7 +123,7 @@ def test_start_up_heap_is_frozen_and_a_rebuild_lets_the_failed_engine_go(engine)
         actor.watched_core = weakref.ref(actor.core)
 
     ray.get(engine.__ray_call__.remote(watch_core), timeout=30)
-    ray.kill(_worker_handle(engine))
+    _kill_and_wait(_worker_handle(engine))  # an idle engine learns of it from the health check below
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(engine.check_health.remote(), timeout=60)
     deadline = time.monotonic() + 120
