@@ -287,28 +287,12 @@ inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int6
   }
 }
 
-// The next work item's key rows, asked of L2 one at a time while the current item's value pass runs (its rows
-// come from L2 by then: they were asked for during its key pass), so memory stays busy in both passes. Bit for bit
-// the same output. 30 layers of 64 requests x 96 keys (SmolLM2's heads): 8.9-9.1 ms against 10.1-10.2 without;
-// 32 requests x 200 keys with head_dim 128, group 4 (the per-head path): 61.7-62.9 against 63.7-64.5.
-struct NextItemRows {
-  CacheRowCursor keys;
-  int64_t left;  // 0: no next item in this claim
-
-  void ask_for_one(int64_t row_bytes) {
-    if (left > 0) {
-      prefetch_row(keys.row(), row_bytes);
-      keys.next();
-      --left;
-    }
-  }
-};
-
-// A head's key rows asked of L2 one at a time ahead of its dot products, up to its last key.
+// Key rows asked of L2 one at a time, up to the last: a head's ahead of its dot products, or the next work item's
+// during the current item's value pass. Default-constructed it asks for nothing.
 struct KeyRowsAhead {
   CacheRowCursor cursor;
   int64_t row_bytes;
-  int64_t left;
+  int64_t left;  // 0: nothing (more) to ask for
 
   void ask_for_next() {
     if (left > 0) {
@@ -334,7 +318,7 @@ void attend_head_lanes(
     float* scores,
     float* output,
     bool fetch_ahead,
-    NextItemRows next_item) {
+    KeyRowsAhead next_item) {
   Lanes scaled_query[kChunks];
   for (int64_t c = 0; c < kChunks; ++c) {
     scaled_query[c] = load_lanes(query + c * kLanes) * scale;
@@ -377,7 +361,7 @@ void attend_head_lanes(
   int64_t key = 0;
   for (; key + kStreams <= num_keys; key += kStreams) {
     for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
-      next_item.ask_for_one(kRowBytes);
+      next_item.ask_for_next();
       const float* row = values.row();
       const Lanes weight = broadcast(scores[key + stream]);
       for (int64_t c = 0; c < kChunks; ++c) {
@@ -386,7 +370,7 @@ void attend_head_lanes(
     }
   }
   for (; key < num_keys; ++key, values.next()) {
-    next_item.ask_for_one(kRowBytes);
+    next_item.ask_for_next();
     const float* row = values.row();
     const Lanes weight = broadcast(scores[key]);
     for (int64_t c = 0; c < kChunks; ++c) {
@@ -403,7 +387,7 @@ void attend_head_lanes(
 }
 
 using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*, bool,
-                                 NextItemRows);
+                                 KeyRowsAhead);
 
 // The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
 inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
@@ -431,7 +415,7 @@ inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
 // meanwhile, and for `next_item`'s key rows during the value pass.
 template <int64_t kChunks, int64_t kGroup>
 void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, CacheRowCursor values,
-                        int64_t num_keys, float* scores, float* output, NextItemRows next_item) {
+                        int64_t num_keys, float* scores, float* output, KeyRowsAhead next_item) {
   constexpr int64_t kHeadDim = kChunks * kLanes;
   Lanes scaled_query[kGroup][kChunks];
   for (int64_t h = 0; h < kGroup; ++h) {
@@ -484,7 +468,7 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
   int64_t key = 0;
   for (; key + kStreams <= num_keys; key += kStreams) {
     for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
-      next_item.ask_for_one(kRowBytes);
+      next_item.ask_for_next();
       const float* row = values.row();
       for (int64_t c = 0; c < kChunks; ++c) {
         const Lanes chunk = load_lanes(row + c * kLanes);
@@ -495,7 +479,7 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
     }
   }
   for (; key < num_keys; ++key, values.next()) {
-    next_item.ask_for_one(kRowBytes);
+    next_item.ask_for_next();
     const float* row = values.row();
     for (int64_t c = 0; c < kChunks; ++c) {
       const Lanes chunk = load_lanes(row + c * kLanes);
@@ -516,7 +500,7 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
 }
 
 using AttendGroupLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*,
-                                  NextItemRows);
+                                  KeyRowsAhead);
 
 template <int64_t kChunks>
 inline AttendGroupLanes attend_group_lanes_of(int64_t group) {
@@ -605,10 +589,14 @@ void decode_attention_kernel(
                         std::min(kPrefetchRows, seq_lens[seq] - seq_first),
                         head_dim * static_cast<int64_t>(sizeof(float)));
   };
-  // The key rows of request `seq`'s KV head `kv_head`, for the item before it to ask for during its value pass.
+  // The key rows of request `seq`'s KV head `kv_head`, for the item before it to ask for during its value pass
+  // (its own rows come from L2 by then), so memory stays busy in both passes. Bit for bit the same output. 30
+  // layers of 64 requests x 96 keys (SmolLM2's heads): 8.9-9.1 ms against 10.1-10.2 without; 32 requests x 200 keys
+  // with head_dim 128, group 4 (the per-head path): 61.7-62.9 against 63.7-64.5.
   const auto next_item_rows = [&](int64_t seq, int64_t kv_head, const auto* keys) {
     const int64_t seq_first = first_key(seq_lens[seq]);
-    return NextItemRows{kv_rows(seq, kv_head, seq_first, keys), seq_lens[seq] - seq_first};
+    return KeyRowsAhead{kv_rows(seq, kv_head, seq_first, keys), head_dim * static_cast<int64_t>(sizeof(float)),
+                        seq_lens[seq] - seq_first};
   };
   AttendHeadLanes attend_lanes = nullptr;
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -623,7 +611,7 @@ void decode_attention_kernel(
           const int64_t first = first_key(seq_lens[seq]);
           const int64_t num_keys = seq_lens[seq] - first;
           scores.resize(group * (num_keys + kKeyTile));
-          NextItemRows next_item{};
+          KeyRowsAhead next_item{};
           if (item + 1 < end) {
             prefetch_start_of((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys, cache.values);
             next_item = next_item_rows((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys);
@@ -662,7 +650,7 @@ void decode_attention_kernel(
             prefetch_start_of(next / num_heads, (next % num_heads) / group, cache.keys, cache.values);
           }
           // The group's last head reads the rows from L2: memory meanwhile brings the next group's keys.
-          NextItemRows next_item{};
+          KeyRowsAhead next_item{};
           if (head % group == group - 1 && item + 1 < end) {
             next_item = next_item_rows((item + 1) / num_heads, ((item + 1) % num_heads) / group, cache.keys);
           }
