@@ -156,6 +156,47 @@ def test_decode_tokens_through_the_stack_match_layer_by_layer(
     assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)
 
 
+@pytest.mark.parametrize("panels", [False, True])
+def test_threads_taking_their_own_tokens_through_the_stack_match_one_thread_bit_for_bit(panels: bool) -> None:
+    """With 16 tokens or more per thread, each thread takes its own tokens through every layer, and a thread done
+    early is handed half of another's rest between two stages. Long contexts in the first half, one to three
+    tokens in the second: the second thread finishes first and gets rows handed over. Output and cache equal the
+    one-thread stack's exactly."""
+    model = random_llama(panels=panels)
+    num_cached = [56 - i for i in range(16)] + [1 + i % 3 for i in range(24)]
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
+    tables, start = [], 0
+    for cached in num_cached:
+        needed = cached // BLOCK_SIZE + 1
+        tables.append(blocks[start : start + needed])
+        start += needed
+    caches = new_caches(model)
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), None)
+    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+
+    def step(num_threads: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        step_caches = [cache.clone() for cache in caches]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            output = run(model, step_caches, decode, None)
+        finally:
+            torch.set_num_threads(previous)
+        return output, step_caches, model.decode_stack.last_step_handoffs
+
+    one_output, one_caches, one_handoffs = step(1)
+    assert one_handoffs == 0  # one thread: every kernel on it, nothing to hand over
+    handoffs = 0
+    for _ in range(5):
+        output, step_caches, step_handoffs = step(2)
+        handoffs += step_handoffs
+        torch.testing.assert_close(output, one_output, rtol=0, atol=0)
+        for cache, one_cache in zip(step_caches, one_caches, strict=True):
+            torch.testing.assert_close(cache, one_cache, rtol=0, atol=0)
+    assert handoffs > 0
+
+
 def test_a_step_with_a_prefill_chunk_runs_layer_by_layer() -> None:
     """The stack takes decode tokens only: a step that also prefills a prompt chunk must not call it."""
     model = random_llama()
