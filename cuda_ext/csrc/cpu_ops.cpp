@@ -1819,7 +1819,8 @@ class DecodeStack {
     std::optional<Rows> next() {
       bool waiting = false;
       while (true) {
-        {
+        // The lock only when a range is there to take: a waiting thread must not slow the givers down.
+        if (num_pending_.load(std::memory_order_relaxed) > 0) {
           std::lock_guard<std::mutex> lock(mutex_);
           if (!pending_.empty()) {
             const Rows rows = pending_.back();
