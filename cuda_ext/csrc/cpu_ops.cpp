@@ -1767,11 +1767,20 @@ class DecodeStack {
     const float* sin;
   };
 
+  // A layer's stages, in order; between two, a token's state is its rows of hidden, residual and the scratch.
+  enum Stage : int64_t {
+    kNormAndQkv,          // input add + RMSNorm, QKV projection
+    kRotaryAndAttention,  // rotary, the KV-cache write, paged attention
+    kOutputAndNorm,       // output projection, post-attention add + RMSNorm
+    kGateUp,              // gate/up projection, SiLU-and-mul
+    kDown,                // down projection
+    kNumStages,
+  };
+
   // Tokens [begin, end) of a step, about to run stage `stage` of layer `layer`.
   struct Rows {
     int64_t begin, end, layer, stage;
   };
-  static constexpr int64_t kNumStages = 5;
   // A thread's share must be this many tokens or the grouped path is not taken: fewer rows per weight read and
   // the projections, each thread streaming every weight, fall off the compute peak.
   static constexpr int64_t kMinRowsPerThread = 16;
@@ -1788,11 +1797,12 @@ class DecodeStack {
       }
     }
 
-    // A busy thread, between two stages: true if it gave away the back half of `rows` (then `rows` is the rest).
-    bool give_back_half(Rows& rows) {
+    // A busy thread, between two stages: while a thread waits with nothing to take, gives it the back half of
+    // `rows` (`rows` keeps the front half).
+    void give_back_half(Rows& rows) {
       if (waiting_.load(std::memory_order_relaxed) <= num_pending_.load(std::memory_order_relaxed) ||
           rows.end - rows.begin < 2 * kMinSplitRows) {
-        return false;
+        return;
       }
       const int64_t middle = rows.begin + (rows.end - rows.begin) / 2;
       {
@@ -1802,7 +1812,6 @@ class DecodeStack {
         ++num_handoffs_;
       }
       rows.end = middle;
-      return true;
     }
 
     void finished(int64_t num_rows) {
@@ -1879,14 +1888,14 @@ class DecodeStack {
         float* const gate_up = gate_up_.data() + begin * 2 * inter_;
         float* const activated = activated_.data() + begin * inter_;
         switch (rows.stage) {
-          case 0:
+          case kNormAndQkv:
             for (int64_t token = 0; token < count; ++token) {
               add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
                                       layer.input_norm.data_ptr<float>(), hidden_, eps_);
             }
             project(layer.qkv, x, hidden_, count, qkv);
             break;
-          case 1: {
+          case kRotaryAndAttention: {
             float* key_cache = cache.data_ptr<float>();
             float* value_cache = key_cache + cache.stride(0);
             for (int64_t token = 0; token < count; ++token) {
@@ -1908,21 +1917,21 @@ class DecodeStack {
                                            num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, sliding_window_);
             break;
           }
-          case 2:
+          case kOutputAndNorm:
             project(layer.o, attended, q_size, count, x);
             for (int64_t token = 0; token < count; ++token) {
               add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
                                       layer.post_norm.data_ptr<float>(), hidden_, eps_);
             }
             break;
-          case 3:
+          case kGateUp:
             project(layer.gate_up, x, hidden_, count, gate_up);
             for (int64_t token = 0; token < count; ++token) {
               const float* gate = gate_up + token * 2 * inter_;
               silu_and_mul_row<float>(activated + token * inter_, gate, gate + inter_, inter_);
             }
             break;
-          default:
+          case kDown:
             project(layer.down, activated, inter_, count, x);
         }
       }
