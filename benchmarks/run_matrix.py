@@ -129,13 +129,18 @@ def batch1_roofline_tok_per_s(model_dir: str) -> float:
 class OfflineEngine:
     """The offline `LLM` API in this process, loaded once: timed on the matrix's prompts at the end, and on fresh
     prompts of the same lengths right before and right after our HTTP runs (beside the idle server, as the
-    roofline is), so an HTTP / offline ratio compares the same minutes of this machine."""
+    roofline is), so an HTTP / offline ratio compares the same minutes of this machine. It runs the serving config's
+    engine settings (speculative decoding included), in this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, config_path: str) -> None:
+        from configs.app_config import AppConfig
         from configs.sampling_params import SamplingParams
         from executor import LLM
 
-        self.llm = LLM(model=MODEL_ID, show_progress=False)
+        self.config_path = config_path
+        engine = AppConfig.from_yaml(config_path).engine_config()
+        settings = engine.model_dump(exclude={"model", "distributed_executor"}, exclude_unset=True)
+        self.llm = LLM(model=MODEL_ID, show_progress=False, **settings)
         self.params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         self.llm.generate(synthetic_prompts(2, 48, 5), self.params, use_tqdm=False)  # warm-up
 
@@ -224,13 +229,15 @@ def offline_figures(offline: OfflineEngine) -> dict[str, float]:
         settings = SCENARIOS["64 streams"]
         prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"] + 200)
         token_ids = [llm.tokenizer(prompt).input_ids for prompt in prompts]
-        figures["64 streams through the scheduler actor tok/s"] = scheduler_actor_tok_per_s(token_ids, params)
+        figures["64 streams through the scheduler actor tok/s"] = scheduler_actor_tok_per_s(
+            token_ids, params, offline.config_path
+        )
     finally:
         ray.shutdown()
     return figures
 
 
-def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
+def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any, config_path: str) -> float:
     """Output tok/s of the serving path minus Serve and HTTP: an EngineActor with its model worker actor, fed in
     one batch and read through its output stream from this process, as an ingress replica does."""
     import ray
@@ -238,7 +245,7 @@ def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any) -> float:
     from configs.app_config import AppConfig
     from executor.engine_actor import EngineActor, open_output_stream
 
-    config = AppConfig.from_yaml(REPO / "configs" / "default.yaml").engine_config()
+    config = AppConfig.from_yaml(config_path).engine_config()
     engine = ray.remote(EngineActor).options(num_cpus=0, max_concurrency=10_000).remote(config)
 
     async def run(prefix: str, prompts: list[list[int]]) -> float:
@@ -293,7 +300,7 @@ def main() -> int:
     )
     try:
         roofline_model_dir = model_dir if args.baselines else None
-        offline = OfflineEngine()
+        offline = OfflineEngine(args.config)
         report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid, roofline_model_dir, offline)
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from configs.engine_config import DEFAULT_MODEL, EngineConfig
+from configs.engine_config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig
 
 CONFIG_DIR = Path(__file__).parent
 
@@ -39,6 +39,7 @@ class SchedulerSection(Section):
     prioritize_prefill: bool = False
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed chunk (first and last at once).")
     async_scheduling: bool | None = Field(None, description="Plan a step ahead; None: with one worker.")
+    speculative_config: SpeculativeConfig | None = Field(None, description="n-gram drafts (see EngineConfig).")
     max_waiting_requests: int = Field(1024, ge=1, description="Queue cap; beyond it requests get 503 + Retry-After.")
     seed: int = 0
 

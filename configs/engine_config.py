@@ -11,6 +11,33 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding by n-gram lookup (vLLM's `"method": "ngram"`): a request's last tokens are looked up
+    earlier in its own prompt and output, the tokens that followed there are proposed as drafts, and one step
+    verifies them all. Tokens and their distribution are those of decoding one token a step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = Field("ngram", description="Where drafts come from: ngram, the request's own tokens.")
+    num_speculative_tokens: int = Field(4, ge=1, description="Most drafts a request verifies in one step.")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix looked up (tried first).")
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix looked up.")
+    disable_by_batch_size: int | None = Field(
+        8,
+        ge=1,
+        description="No drafts while more requests than this run: a large batch is compute-bound, where every "
+        "rejected draft costs as much as a real token. None: drafts at any batch size.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max {self.prompt_lookup_max}"
+            )
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything that shapes one engine replica: model, KV cache, batching limits, devices."""
 
@@ -44,6 +71,9 @@ class EngineConfig(BaseModel):
         description="The scheduler actor plans the next step while the workers run this one (the tokens it will "
         "sample are placeholders until it returns); needs TP = PP = 1. None: on wherever TP = PP = 1 (CPU "
         "included: on the 2-core Intel VM 1.01-1.07x tokens/s and a lower TTFT in each of four alternated rounds).",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding (n-gram drafts verified in one step); None: one token a step."
     )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."

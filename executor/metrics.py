@@ -38,6 +38,8 @@ class EngineMetrics:
         self.preemptions = both(Counter, "num_preemptions", "Recompute preemptions.")
         self.prefix_queries = both(Counter, "prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = both(Counter, "prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.draft_tokens = both(Counter, "spec_decode_num_draft_tokens", "Speculative drafts verified.")
+        self.accepted_tokens = both(Counter, "spec_decode_num_accepted_tokens", "Speculative drafts accepted.")
         labels = ["model_name", "engine", "finished_reason"]
         self.request_success = both(Counter, "request_success", "Finished requests by finish reason.")
         labels = ["model_name", "engine"]
@@ -50,12 +52,15 @@ class EngineMetrics:
         # Every series exists from the start, so dashboards show 0 rather than "No data".
         for metrics in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries):
             self._labelled(metrics)
-        self._labelled(self.prefix_hits)
+        for metrics in (self.prefix_hits, self.draft_tokens, self.accepted_tokens):
+            self._labelled(metrics)
         for reason in ("stop", "length", "abort"):
             self._labelled(self.request_success, finished_reason=reason)
         self._seen_preemptions = 0
         self._seen_prefix_queries = 0
         self._seen_prefix_hits = 0
+        self._seen_draft_tokens = 0
+        self._seen_accepted_tokens = 0
 
     def _labelled(self, metrics: list, **labels: str) -> list:
         """The labelled series of `metrics` (both prefixes), looked up once: the step loop feeds them per token, and
@@ -92,6 +97,10 @@ class EngineMetrics:
         self._seen_preemptions = scheduler.num_preemptions
         self._seen_prefix_queries = kv_cache.prefix_cache_queries
         self._seen_prefix_hits = kv_cache.prefix_cache_hits
+        self.increment(self.draft_tokens, scheduler.num_draft_tokens - self._seen_draft_tokens)
+        self.increment(self.accepted_tokens, scheduler.num_accepted_draft_tokens - self._seen_accepted_tokens)
+        self._seen_draft_tokens = scheduler.num_draft_tokens
+        self._seen_accepted_tokens = scheduler.num_accepted_draft_tokens
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

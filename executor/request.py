@@ -40,6 +40,7 @@ class Request:
         "last_token_time",
         "max_tokens",
         "num_computed_tokens",
+        "num_drafts_in_flight",
         "num_output_placeholders",
         "num_prompt_tokens",
         "num_tokens_sent",
@@ -68,6 +69,8 @@ class Request:
         # Tokens that steps in flight will sample, not known here yet (async scheduling: the running step's and the
         # one queued behind it).
         self.num_output_placeholders = 0
+        # Drafts the step in flight verifies (speculative decoding); None when it runs none.
+        self.num_drafts_in_flight: int | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily

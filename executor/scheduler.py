@@ -8,6 +8,11 @@ prompts (half done, then waiting) before running decodes while the cache has roo
 Progress advances when a step is scheduled, not when it returns, so the next step can be planned while this one
 runs (async scheduling): a token a step in flight will sample is a placeholder until its result comes back. A
 single-rank runner keeps the tokens it samples, so plans never carry them back to it.
+
+With speculative decoding a request that has every token known and one to run may instead run that token plus
+n-gram drafts (`spec_token_ids` of the plan); the step returns the drafts it accepted and one more token, and the
+request's progress goes back by the drafts it rejected. A request with drafts in flight is not planned again until
+they come back: how far it got is not known before.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig
 from executor.kv_cache_manager import KVCacheManager
+from executor.ngram_proposer import propose_ngram_drafts
 from executor.request import Request, RequestStatus
 from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
 
@@ -57,6 +63,10 @@ class Scheduler:
         # Gone since the last plan; the runner is told once, in the next plan.
         self.finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
+        self.speculative = config.speculative_config
+        # Drafts proposed and accepted, cumulative (the metrics read them).
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -101,6 +111,36 @@ class Scheduler:
     def _length_limit_in_flight(self, request: Request) -> bool:
         """The steps in flight sample the request's last token: nothing left to run."""
         return request.num_tokens_with_placeholders >= self._length_limit(request)
+
+    def _num_drafts_allowed(self, request: Request, token_budget: int) -> int:
+        """How many drafts the request may verify this step (0: a plain decode step, or not a decode at all)."""
+        speculative = self.speculative
+        if speculative is None or request.num_output_placeholders:
+            return 0
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return 0  # a prompt (or a resumed request) still being computed
+        limit = speculative.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return 0
+        params = request.sampling_params
+        # Penalties and min_tokens read the tokens before each position, which differ between a step's drafts.
+        if params.needs_penalties or request.num_output_tokens < params.min_tokens:
+            return 0
+        # The verified drafts and the token after them must fit the length limit and the step's budget.
+        return min(
+            speculative.num_speculative_tokens,
+            self._length_limit(request) - request.num_tokens - 1,
+            token_budget - 1,
+        )
+
+    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
+        num_drafts = self._num_drafts_allowed(request, token_budget)
+        if num_drafts <= 0:
+            return []
+        speculative = self.speculative
+        return propose_ngram_drafts(
+            request.token_ids, num_drafts, speculative.prompt_lookup_max, speculative.prompt_lookup_min
+        )
 
     def _advance(self, plan: StepPlan, request: Request, num_new: int) -> None:
         """Count the step's tokens as computed now; reaching the end of the known tokens means one is sampled."""
@@ -158,7 +198,13 @@ class Scheduler:
                 continue  # a victim of an earlier request in this pass
             if self._length_limit_in_flight(request):
                 continue  # async scheduling: finishes when the step in flight returns
+            if request.num_drafts_in_flight is not None:
+                continue  # where it resumes depends on the drafts the step in flight accepts
+            if self.speculative is not None and request.num_output_placeholders and self._speculates(request):
+                continue  # a step ahead would be one token; after the step in flight, drafts can go too
+            drafts = self._propose_drafts(request, token_budget)
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, token_budget)
+            num_new += len(drafts)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None and allow_preemption:
                 victim = self._preemption_victim(plan)
@@ -183,9 +229,25 @@ class Scheduler:
                 )
             )
             request.num_tokens_sent = request.num_tokens
-            self._advance(plan, request, num_new)
+            if drafts:
+                plan.spec_token_ids[request.request_id] = drafts
+                request.num_drafts_in_flight = len(drafts)
+                self.num_draft_tokens += len(drafts)
+                plan.num_scheduled_tokens[request.request_id] = num_new
+                request.num_computed_tokens += num_new
+                request.num_output_placeholders += 1
+            else:
+                self._advance(plan, request, num_new)
             token_budget -= num_new
         return token_budget
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request would get drafts once its tokens are all known (its batch and sampling allow it)."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return False
+        params = request.sampling_params
+        return not params.needs_penalties and request.num_output_tokens >= params.min_tokens
 
     def _schedule_waiting(self, plan: StepPlan, token_budget: int) -> int:
         """Waiting requests in arrival order, unless this step had to preempt."""
@@ -233,19 +295,36 @@ class Scheduler:
         Requests finished or aborted since the plan was made are gone: their tokens are dropped.
         """
         updates = []
-        for position, (request_id, token_id) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
+        for position, (request_id, token_ids) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             request = self.requests.get(request_id)
             if request is None:
                 continue
             request.num_output_placeholders -= 1
-            request.token_ids.append(token_id)
+            num_drafts = request.num_drafts_in_flight
+            if num_drafts is not None:
+                request.num_drafts_in_flight = None
+                num_accepted = len(token_ids) - 1
+                self.num_accepted_draft_tokens += num_accepted
+                if request.status == RequestStatus.RUNNING:
+                    # The rejected drafts' KV slots are rewritten by the tokens that really come there.
+                    request.num_computed_tokens -= num_drafts - num_accepted
+            step_logprobs = result.logprobs[position] if result.logprobs else None
+            new_token_ids: list[int] = []
+            new_logprobs: list = []
+            finished = False
+            for index, token_id in enumerate(token_ids):
+                request.token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                if step_logprobs is not None and step_logprobs[index] is not None:
+                    new_logprobs.append(step_logprobs[index])
+                finished = self._check_stop(request, token_id)
+                if finished:
+                    break  # tokens accepted after a stop are dropped
             if self.runner_keeps_sampled_tokens and request.status == RequestStatus.RUNNING:
                 request.num_tokens_sent = request.num_tokens
-            logprobs = result.logprobs[position] if result.logprobs else None
-            finished = self._check_stop(request, token_id)
             if finished:
                 self._finish(request)
-            updates.append(RequestUpdate(request, [token_id], [logprobs] if logprobs is not None else [], finished))
+            updates.append(RequestUpdate(request, new_token_ids, new_logprobs, finished))
         return updates
 
     def _check_stop(self, request: Request, token_id: int) -> bool:

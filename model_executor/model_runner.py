@@ -245,8 +245,12 @@ class ModelRunner:
         self._update_states(plan)
         if not plan.num_scheduled_tokens:
             return StepResult()
-        # Decodes (one new token) first: the attention backend handles them as one padded group.
-        ordered = sorted(plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        spec_token_ids = plan.spec_token_ids
+        # Decodes (one new token) first: the attention backend handles them as one padded group. A request's token
+        # and its drafts are decode rows too, one per token, each attending up to itself.
+        ordered = sorted(
+            plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1 and item[0] not in spec_token_ids
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -255,34 +259,48 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampling_states: list[RunnerRequestState] = []
+        # Per sampling state: the drafts its rows verify (every row from its last known token on samples).
+        step_drafts: list[list[int]] = []
         block_size = self.block_size
         for request_id, num_tokens in ordered:
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
+            drafts = spec_token_ids.get(request_id, []) if spec_token_ids else []
             input_ids.extend(state.token_ids[start:end])
+            if drafts:
+                input_ids.extend(drafts)
             positions.extend(range(start, end))
             block_ids = state.block_ids
             slot_mapping.extend(
                 block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
             )
-            query_lens.append(num_tokens)
-            seq_lens.append(end)
-            block_tables.append(block_ids)
-            if end == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
+            if drafts:
+                query_lens.extend([1] * num_tokens)
+                seq_lens.extend(range(start + 1, end + 1))
+                block_tables.extend([block_ids] * num_tokens)
+            else:
+                query_lens.append(num_tokens)
+                seq_lens.append(end)
+                block_tables.append(block_ids)
+            if end == len(state.token_ids) + len(drafts):
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sampling_states.append(state)
+                step_drafts.append(drafts)
             state.num_computed_tokens = end
         num_decodes = sum(1 for n in query_lens if n == 1)
+        has_drafts = any(step_drafts)
         bucket = None
-        if self.decode_graphs is not None and num_decodes == len(query_lens):
+        # The C++ decoder stack splits a padded step's rows between threads unless told they share sequences.
+        drafts_on_stack = has_drafts and self.model.decode_stack is not None
+        if self.decode_graphs is not None and num_decodes == len(query_lens) and not drafts_on_stack:
             bucket = bucket_for(num_decodes, self.decode_graphs.buckets)
         if bucket is not None:
             decode_inputs = self._decode_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
             padded_hidden = self.decode_graphs.run(decode_inputs, bucket)
             sample_hidden = padded_hidden[:num_decodes]
         else:
-            attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes)
+            attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes, has_drafts)
             attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
             input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
             positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
@@ -304,7 +322,9 @@ class ModelRunner:
             sample_hidden = hidden_states
         if not sample_rows:
             return StepResult()
-        sampling_rows = [state.sampling_row for state in sampling_states]
+        sampling_rows = [
+            state.sampling_row for state, drafts in zip(sampling_states, step_drafts) for _ in range(len(drafts) + 1)
+        ]
         greedy_index = (
             [index for index, row in enumerate(sampling_rows) if self.sampler.is_plain_greedy(row)]
             if self.greedy_screen is not None
@@ -317,12 +337,35 @@ class ModelRunner:
             if not self.is_driver:
                 return StepResult()
             sampled = self.sampler(logits, sampling_rows)
-        if self.keeps_sampled_tokens:
-            # The next step may be planned before the scheduler has seen these tokens (async scheduling).
-            for state, token_id in zip(sampling_states, sampled.sampled_token_ids, strict=True):
-                state.token_ids.append(token_id)
-                state.sampling_row.output_token_ids.append(token_id)
-        return StepResult([state.request_id for state in sampling_states], sampled.sampled_token_ids, sampled.logprobs)
+        return self._step_result(sampling_states, step_drafts, sampled)
+
+    def _step_result(
+        self, states: list[RunnerRequestState], step_drafts: list[list[int]], sampled: SamplerOutput
+    ) -> StepResult:
+        """Each request's tokens: its sampled token, or its drafts up to the first its rows disagree with, and the
+        token sampled after them (what those rows sampled is what one-token steps would have: a draft is a token
+        the rows agree with)."""
+        result = StepResult([state.request_id for state in states])
+        has_logprobs = any(entry is not None for entry in sampled.logprobs)
+        row = 0
+        for state, drafts in zip(states, step_drafts, strict=True):
+            rows_sampled = sampled.sampled_token_ids[row : row + len(drafts) + 1]
+            num_accepted = 0
+            while num_accepted < len(drafts) and rows_sampled[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            token_ids = rows_sampled[: num_accepted + 1]
+            result.sampled_token_ids.append(token_ids)
+            if has_logprobs:
+                result.logprobs.append(sampled.logprobs[row : row + num_accepted + 1])
+            row += len(drafts) + 1
+            if drafts:
+                # The rejected drafts' slots are written again by the tokens that really come there.
+                state.num_computed_tokens -= len(drafts) - num_accepted
+            if self.keeps_sampled_tokens:
+                # The next step may be planned before the scheduler has seen these tokens (async scheduling).
+                state.token_ids.extend(token_ids)
+                state.sampling_row.output_token_ids.extend(token_ids)
+        return result
 
     def _sample_with_screen(
         self, hidden: torch.Tensor, rows: list[SamplingRow], greedy_index: list[int]

@@ -41,6 +41,8 @@ class StepPlan:
     """Requests gone for good since the last step (finished or aborted): the runner forgets them."""
     preempted_request_ids: list[str] = field(default_factory=list)
     """Requests whose blocks were taken back; they come again as new requests, keeping their seed state."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> drafts it verifies this step, run after its last known token (counted in its scheduled tokens)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -49,8 +51,10 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepResult:
-    """One sampled token per request that reached the end of its known tokens this step."""
+    """The tokens of each request that reached the end of its known tokens this step: one sampled token, or with
+    drafts, the drafts accepted and the token sampled after them."""
 
     request_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)  # model_executor.sampler.TokenLogprobs | None
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)
+    """Empty when no request asked; else per request, per token a model_executor.sampler.TokenLogprobs or None."""

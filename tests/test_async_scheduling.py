@@ -73,7 +73,7 @@ class SingleRankRunner:
                 tokens.append(token_id)
                 self.sampled.setdefault(request_id, []).append(token_id)
                 result.request_ids.append(request_id)
-                result.sampled_token_ids.append(token_id)
+                result.sampled_token_ids.append([token_id])
         return result
 
 

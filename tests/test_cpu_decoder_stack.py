@@ -197,6 +197,44 @@ def test_threads_taking_their_own_tokens_through_the_stack_match_one_thread_bit_
     assert handoffs > 0
 
 
+def test_draft_rows_of_one_sequence_through_the_stack_match_a_prefill_chunk_of_them() -> None:
+    """Speculative drafts: each of 7 sequences runs 5 consecutive tokens as decode rows (35 rows, enough for the
+    per-thread path on 2 threads), each row attending up to itself, so to keys rows before it write in the same
+    step. With the rows marked as sharing sequences, 2 threads give what a prefill chunk of the same tokens gives
+    layer by layer."""
+    model = random_llama(panels=True)
+    num_cached = [3, 17, 9, 30, 1, 12, 22]
+    num_rows = 5
+    tables = [list(range(i * 10, (i + 1) * 10)) for i in range(len(num_cached))]
+    caches = new_caches(model)
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), None)
+    chunks = attention_batch([num_rows] * len(num_cached), num_cached, tables)
+    rows = AttentionBatch(
+        [1] * num_rows * len(num_cached),
+        [cached + row + 1 for cached in num_cached for row in range(num_rows)],
+        [table for table in tables for _ in range(num_rows)],
+        chunks.slot_mapping,
+        num_rows * len(num_cached),
+        decodes_share_sequences=True,  # without it, this test fails: a thread's rows read keys not yet written
+    )
+    stack = model.decode_stack
+    model.decode_stack = None
+    chunk_caches = [cache.clone() for cache in caches]
+    expected = run(model, chunk_caches, chunks, None)
+    model.decode_stack = stack
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        row_caches = [cache.clone() for cache in caches]
+        output = run(model, row_caches, rows, None)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+    for row_cache, chunk_cache in zip(row_caches, chunk_caches, strict=True):
+        torch.testing.assert_close(row_cache, chunk_cache, atol=1e-4, rtol=1e-4)
+
+
 def test_a_step_with_a_prefill_chunk_runs_layer_by_layer() -> None:
     """The stack takes decode tokens only: a step that also prefills a prompt chunk must not call it."""
     model = random_llama()

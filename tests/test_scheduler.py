@@ -101,7 +101,7 @@ def step(
     if runner is not None:
         runner.apply(scheduler, plan)
     ids = sampling_ids(scheduler, plan)
-    return plan, scheduler.update_from_output(plan, StepResult(ids, [token_for(i) for i in ids]))
+    return plan, scheduler.update_from_output(plan, StepResult(ids, [[token_for(i)] for i in ids]))
 
 
 def run_to_completion(
@@ -519,7 +519,7 @@ def test_abort_running_and_waiting_frees_blocks_and_is_reported_once() -> None:
     assert len(scheduler.waiting) == 0 and scheduler.running == []
     assert running.finish_reason == "abort" and waiting.finish_reason == "abort"
     # The step in flight comes back with a token for the aborted request: it is dropped.
-    updates = scheduler.update_from_output(plan, StepResult(["run"], [TOKEN]))
+    updates = scheduler.update_from_output(plan, StepResult(["run"], [[TOKEN]]))
     assert updates == []
     assert running.output_token_ids == [TOKEN]
     next_plan = scheduler.schedule()
@@ -703,7 +703,7 @@ def test_random_workload_keeps_every_invariant(seed: int, prioritize_prefill: bo
         runner.apply(scheduler, plan)
         workload.assert_blocks_accounted()
         ids = sampling_ids(scheduler, plan)
-        scheduler.update_from_output(plan, StepResult(ids, [workload.sample() for _ in ids]))
+        scheduler.update_from_output(plan, StepResult(ids, [[workload.sample()] for _ in ids]))
         if workload.num_parents == 12 and not scheduler.has_unfinished_requests():
             break
     assert not scheduler.has_unfinished_requests()

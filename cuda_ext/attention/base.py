@@ -28,6 +28,9 @@ class AttentionBatch:
     slot_mapping: list[int]
     num_decodes: int
     """The first num_decodes requests have query_len 1."""
+    decodes_share_sequences: bool = False
+    """Some decode rows are one sequence's consecutive tokens (speculative drafts, each with its own seq_len): a
+    row attends to the keys the rows before it write in the same step."""
 
 
 class AttentionBackend(ABC):

@@ -32,6 +32,7 @@ class CpuAttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor | None  # [decodes] int32
     prefill: PrefillChunks | None
+    decodes_share_sequences: bool = False  # see AttentionBatch
 
 
 @dataclass(slots=True)
@@ -78,7 +79,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if num_decodes < len(batch.query_lens):
             prefill = self._prefill_chunks(batch, block_size)
         slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.int64)
-        return CpuAttentionMetadata(slot_mapping, num_decodes, decode_tables, decode_lens, prefill)
+        return CpuAttentionMetadata(
+            slot_mapping, num_decodes, decode_tables, decode_lens, prefill, batch.decodes_share_sequences
+        )
 
     def _prefill_chunks(self, batch: AttentionBatch, block_size: int) -> PrefillChunks:
         first = batch.num_decodes

@@ -1684,7 +1684,7 @@ class DecodeStack {
   void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
                const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
                const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
-               const torch::Tensor& sin) {
+               const torch::Tensor& sin, bool rows_share_sequences) {
     TORCH_CHECK(!layers_.empty(), "the stack has no layers");
     const int64_t num_tokens = hidden.size(0);
     check_rows_of(hidden, num_tokens, hidden_, "hidden");
@@ -1730,7 +1730,10 @@ class DecodeStack {
                     width, block_size, lens, slot_of, cos.data_ptr<float>(), sin.data_ptr<float>()};
     const int64_t num_threads = at::get_num_threads();
     last_step_handoffs_ = 0;
-    if (num_threads < 2 || num_tokens < kMinRowsPerThread * num_threads || at::in_parallel_region()) {
+    // Rows of one sequence (speculative drafts) attend to each other's keys: every row's are written before any
+    // row attends only when all rows go through each stage together.
+    if (rows_share_sequences || num_threads < 2 || num_tokens < kMinRowsPerThread * num_threads ||
+        at::in_parallel_region()) {
       run_rows(step, Rows{0, num_tokens, 0, 0}, nullptr);  // every kernel spreads its own work over the threads
       return;
     }

@@ -263,6 +263,7 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata.slot_mapping,
                 cos_sin[0].view(num_tokens, -1),
                 cos_sin[1].view(num_tokens, -1),
+                attn_metadata.decodes_share_sequences,
             )
         else:
             step = StepInputs(attn_metadata, self.rotary, cos_sin)
