@@ -23,7 +23,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix looked up (tried first).")
     prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix looked up.")
     disable_by_batch_size: int | None = Field(
-        8,
+        4,
         ge=1,
         description="No drafts while more requests than this run: a large batch is compute-bound, where every "
         "rejected draft costs as much as a real token. None: drafts at any batch size.",

@@ -38,15 +38,18 @@ class Request:
         "first_token_time",
         "gate_request_id",
         "last_token_time",
+        "max_next_drafts",
         "max_tokens",
         "num_computed_tokens",
         "num_drafts_in_flight",
+        "num_failed_verifies",
         "num_output_placeholders",
         "num_prompt_tokens",
         "num_tokens_sent",
         "request_id",
         "sampling_params",
         "status",
+        "steps_until_drafts",
         "stop_reason",
         "token_ids",
     )
@@ -71,6 +74,9 @@ class Request:
         self.num_output_placeholders = 0
         # Drafts the step in flight verifies (speculative decoding); None when it runs none.
         self.num_drafts_in_flight: int | None = None
+        self.max_next_drafts: int | None = None  # None: the configured num_speculative_tokens
+        self.num_failed_verifies = 0  # steps in a row whose drafts were all rejected
+        self.steps_until_drafts = 0  # decode steps left without drafts (back-off after failed drafts)
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily

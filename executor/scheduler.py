@@ -31,6 +31,9 @@ from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan
 
 logger = logging.getLogger(__name__)
 
+# Longest a request goes without drafts after its drafts failed step after step (the back-off doubles up to it).
+MAX_DRAFT_BACKOFF_STEPS = 16
+
 
 @dataclass(slots=True)
 class RequestUpdate:
@@ -112,23 +115,28 @@ class Scheduler:
         """The steps in flight sample the request's last token: nothing left to run."""
         return request.num_tokens_with_placeholders >= self._length_limit(request)
 
-    def _num_drafts_allowed(self, request: Request, token_budget: int) -> int:
-        """How many drafts the request may verify this step (0: a plain decode step, or not a decode at all)."""
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request gets drafts once its tokens are all known: speculation is on, and the batch size,
+        the request's sampling and its back-off allow them."""
         speculative = self.speculative
-        if speculative is None or request.num_output_placeholders:
-            return 0
-        if request.num_computed_tokens != request.num_tokens - 1:
-            return 0  # a prompt (or a resumed request) still being computed
+        if speculative is None or request.steps_until_drafts:
+            return False
         limit = speculative.disable_by_batch_size
         if limit is not None and len(self.running) > limit:
-            return 0
+            return False
         params = request.sampling_params
         # Penalties and min_tokens read the tokens before each position, which differ between a step's drafts.
-        if params.needs_penalties or request.num_output_tokens < params.min_tokens:
+        return not params.needs_penalties and request.num_output_tokens >= params.min_tokens
+
+    def _num_drafts_allowed(self, request: Request, token_budget: int) -> int:
+        """How many drafts the request may verify this step (0: a plain decode step, or not a decode at all)."""
+        if request.num_output_placeholders or request.num_computed_tokens != request.num_tokens - 1:
+            return 0  # a token still in flight, or a prompt (or a resumed request) still being computed
+        if not self._speculates(request):
             return 0
         # The verified drafts and the token after them must fit the length limit and the step's budget.
         return min(
-            speculative.num_speculative_tokens,
+            request.max_next_drafts or self.speculative.num_speculative_tokens,
             self._length_limit(request) - request.num_tokens - 1,
             token_budget - 1,
         )
@@ -200,7 +208,7 @@ class Scheduler:
                 continue  # async scheduling: finishes when the step in flight returns
             if request.num_drafts_in_flight is not None:
                 continue  # where it resumes depends on the drafts the step in flight accepts
-            if self.speculative is not None and request.num_output_placeholders and self._speculates(request):
+            if request.num_output_placeholders and self._speculates(request):
                 continue  # a step ahead would be one token; after the step in flight, drafts can go too
             drafts = self._propose_drafts(request, token_budget)
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, token_budget)
@@ -238,16 +246,10 @@ class Scheduler:
                 request.num_output_placeholders += 1
             else:
                 self._advance(plan, request, num_new)
+                if request.steps_until_drafts:
+                    request.steps_until_drafts -= 1
             token_budget -= num_new
         return token_budget
-
-    def _speculates(self, request: Request) -> bool:
-        """Whether the request would get drafts once its tokens are all known (its batch and sampling allow it)."""
-        limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(self.running) > limit:
-            return False
-        params = request.sampling_params
-        return not params.needs_penalties and request.num_output_tokens >= params.min_tokens
 
     def _schedule_waiting(self, plan: StepPlan, token_budget: int) -> int:
         """Waiting requests in arrival order, unless this step had to preempt."""
@@ -305,6 +307,13 @@ class Scheduler:
                 request.num_drafts_in_flight = None
                 num_accepted = len(token_ids) - 1
                 self.num_accepted_draft_tokens += num_accepted
+                # One more draft than the last step accepted, and none for a while (doubling) after steps that
+                # accepted none: a request whose drafts keep failing (sampling at a high temperature, text that
+                # does not repeat) soon costs a row now and then, not num_speculative_tokens rows a step.
+                request.max_next_drafts = num_accepted + 1
+                request.num_failed_verifies = 0 if num_accepted else request.num_failed_verifies + 1
+                if request.num_failed_verifies:
+                    request.steps_until_drafts = min(2 ** (request.num_failed_verifies - 1), MAX_DRAFT_BACKOFF_STEPS)
                 if request.status == RequestStatus.RUNNING:
                     # The rejected drafts' KV slots are rewritten by the tokens that really come there.
                     request.num_computed_tokens -= num_drafts - num_accepted

@@ -200,6 +200,33 @@ def test_drafts_stop_at_the_length_limit_and_tokens_after_a_stop_are_dropped():
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.pool.num_blocks
 
 
+def test_failed_drafts_back_off_and_accepted_ones_set_the_next_draft_count():
+    scheduler = make_scheduler()
+    request = make_request("r", [20, 21, 22, 20, 21], max_tokens=60)
+    plan = decode_plan(scheduler, request)
+    gaps = []
+    for _ in range(3):  # all drafts rejected, three times: no drafts for 1, then 2, then 4 steps
+        assert len(plan.spec_token_ids["r"]) >= 1
+        scheduler.update_from_output(plan, StepResult(["r"], [[30]]))
+        plan, gap = scheduler.schedule(), 0
+        while not plan.spec_token_ids:
+            assert plan.num_scheduled_tokens == {"r": 1}
+            scheduler.update_from_output(plan, StepResult(["r"], [[21]]))  # keeps "21" recurring: drafts exist
+            plan, gap = scheduler.schedule(), gap + 1
+        gaps.append(gap)
+    assert gaps == [1, 2, 4]
+    # One accepted draft: the next step proposes two at most, and the back-off starts over.
+    drafts = plan.spec_token_ids["r"]
+    scheduler.update_from_output(plan, StepResult(["r"], [[drafts[0], 21]]))
+    plan = scheduler.schedule()
+    assert 1 <= len(plan.spec_token_ids["r"]) <= 2
+    scheduler.update_from_output(plan, StepResult(["r"], [[30]]))
+    plan = scheduler.schedule()
+    assert plan.spec_token_ids == {}
+    scheduler.update_from_output(plan, StepResult(["r"], [[21]]))
+    assert scheduler.schedule().spec_token_ids  # a gap of one step again
+
+
 def test_no_drafts_for_large_batches_or_penalties():
     scheduler = make_scheduler(speculative={"disable_by_batch_size": 1})
     for index in range(2):
