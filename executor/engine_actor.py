@@ -536,6 +536,10 @@ class EngineActor:
                 if len(core.steps_in_flight) < depth and submitted:
                     continue
                 outputs = await core.finish_oldest_step()
+                if not core.steps_in_flight and core.has_unfinished_requests():
+                    # The workers are idle (a step with drafts, or no async scheduling): the next step goes before
+                    # these outputs are handed on.
+                    core.submit_step()
             except Exception as error:
                 logger.exception("engine step failed; failing in-flight requests and rebuilding the engine")
                 core.abandon_steps_in_flight()

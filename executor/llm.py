@@ -60,6 +60,15 @@ class LLM:
             raise
         return self._run_to_completion(request_ids, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`); False, and nothing done, while
+        requests are running (between `generate` calls none is)."""
+        scheduler = self.engine.scheduler
+        if scheduler.has_unfinished_requests():
+            return False
+        scheduler.kv_cache.reset_prefix_cache()
+        return True
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -71,6 +71,22 @@ def test_n_completions_share_prompt_blocks(tiny_llm):
     assert_no_leaked_blocks(tiny_llm)
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(tiny_model_dir, make_llm):
+    llm = make_llm(tiny_model_dir)
+    prompt = random_prompts(1, seed=15)[0] * 2
+    params = SamplingParams(temperature=0, max_tokens=3)
+    kv_cache = llm.engine.scheduler.kv_cache
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = kv_cache.prefix_cache_hits
+    llm.generate([prompt], params, use_tqdm=False)
+    assert kv_cache.prefix_cache_hits > hits  # cached: the second run reuses the prompt's blocks
+    assert llm.reset_prefix_cache()
+    hits = kv_cache.prefix_cache_hits
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert kv_cache.prefix_cache_hits == hits
+    assert_no_leaked_blocks(llm)
+
+
 def test_n_completions_share_prompt_without_prefix_caching(tiny_model_dir, make_llm):
     llm = make_llm(tiny_model_dir, enable_prefix_caching=False)
     prompt = random_prompts(1, seed=14)[0] * 2
