@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,24 @@ def deployed_app(config: Any, serve_port: int) -> Iterator[str]:
         yield f"http://127.0.0.1:{serve_port}{config.serve.route_prefix}"
     finally:
         serve.delete(config.serve.app_name)
+
+
+def assert_engine_drained(app_name: str, timeout_s: float = 30.0) -> None:
+    """Within timeout_s, the app's scheduler actor tracks no request and holds no undelivered output, and every KV
+    block is free again."""
+    import ray
+
+    from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+
+    engine = ray.get_actor(engine_actor_name(app_name), namespace=ENGINE_NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(engine.stats.remote(), timeout=30)
+        if stats["num_tracked_requests"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["num_tracked_requests"] == 0 and stats["num_undelivered_outputs"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
 
 
 def ray_actors(class_prefix: str, state: str = "ALIVE") -> list[dict[str, Any]]:

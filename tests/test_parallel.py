@@ -55,6 +55,35 @@ def test_tiny_tp_pp_equals_single_rank(
         llm.engine.shutdown()
 
 
+def test_tiny_tp_pp_with_drafts_equals_single_rank(ray_cluster, tiny_model_dir, tiny_reference):
+    """Speculative decoding over TP=2 x PP=2: every rank runs the plan's drafts, the last stage's driver verifies
+    them, the other ranks learn the accepted tokens and the rolled-back progress from the next plan."""
+    from executor import LLM
+
+    prompts, expected = tiny_reference
+    biased = SamplingParams(temperature=0.0, max_tokens=24, logit_bias={77: 100.0, 78: 100.0, 79: 100.0})
+    one_rank = LLM(model=str(tiny_model_dir), show_progress=False, num_kv_blocks=128)
+    expected_biased = [output.outputs[0].token_ids for output in one_rank.generate(prompts, biased, use_tqdm=False)]
+    llm = LLM(
+        model=str(tiny_model_dir),
+        show_progress=False,
+        num_kv_blocks=128,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        worker_num_cpus=0.5,
+        num_threads=1,
+        speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None},
+    )
+    try:
+        for params, tokens in ((GREEDY, expected), (biased, expected_biased)):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert [output.outputs[0].token_ids for output in outputs] == tokens
+        assert llm.engine.scheduler.num_accepted_draft_tokens > 10
+        assert_no_leaked_blocks(llm)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_matches_hf(ray_cluster, smollm2_dir, hf_reference):
     """9 heads and 3 KV heads split three ways: each rank holds 3 query heads and 1 KV head."""

@@ -5,18 +5,15 @@ engine without drafts, stop strings cut inside a step's tokens, the drafts show 
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
 from openai import OpenAI
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
-from tests.conftest import deployed_app
+from tests.conftest import assert_engine_drained, deployed_app
 
 MODEL = "tiny-speculative"
 PREFIX = "/speculative"
@@ -114,12 +111,4 @@ def test_a_stop_string_inside_a_steps_tokens_ends_the_stream_there(client: OpenA
 def test_nothing_lingers_after_streams_with_drafts(client: OpenAI):
     for max_tokens in (5, 6, 7):
         streamed_text(client, "one two one two", True, max_tokens=max_tokens)
-    engine = ray.get_actor(engine_actor_name(CONFIG.serve.app_name), namespace=ENGINE_NAMESPACE)
-    deadline = time.monotonic() + 30
-    while True:
-        stats = ray.get(engine.stats.remote(), timeout=30)
-        if stats["num_tracked_requests"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert stats["num_tracked_requests"] == 0 and stats["num_undelivered_outputs"] == 0
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert_engine_drained(CONFIG.serve.app_name)

@@ -3,16 +3,13 @@ token alone), with the same text and usage as a stream of one token per event, a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
-import ray
 from openai import OpenAI
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
-from tests.conftest import deployed_app
+from tests.conftest import assert_engine_drained, deployed_app
 
 MODEL = "tiny-chunked"
 PREFIX = "/chunked"
@@ -68,12 +65,4 @@ def test_a_stop_string_inside_a_chunk_ends_the_stream_there(client: OpenAI):
 def test_nothing_lingers_in_the_engine_after_streams_end(client: OpenAI):
     for max_tokens in (7, 8, 9):
         list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=max_tokens, temperature=0, stream=True))
-    engine = ray.get_actor(engine_actor_name(CONFIG.serve.app_name), namespace=ENGINE_NAMESPACE)
-    deadline = time.monotonic() + 30
-    while True:
-        stats = ray.get(engine.stats.remote(), timeout=30)
-        if stats["num_tracked_requests"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert stats["num_tracked_requests"] == 0 and stats["num_undelivered_outputs"] == 0
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert_engine_drained(CONFIG.serve.app_name)

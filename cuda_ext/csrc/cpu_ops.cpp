@@ -1730,8 +1730,8 @@ class DecodeStack {
                     width, block_size, lens, slot_of, cos.data_ptr<float>(), sin.data_ptr<float>()};
     const int64_t num_threads = at::get_num_threads();
     last_step_handoffs_ = 0;
-    // Rows of one sequence (speculative drafts) attend to each other's keys: every row's are written before any
-    // row attends only when all rows go through each stage together.
+    // Rows of one sequence (speculative drafts) read each other's keys: only rows that go through each stage
+    // together have every row's keys written before any row attends.
     if (rows_share_sequences || num_threads < 2 || num_tokens < kMinRowsPerThread * num_threads ||
         at::in_parallel_region()) {
       run_rows(step, Rows{0, num_tokens, 0, 0}, nullptr);  // every kernel spreads its own work over the threads
