@@ -128,33 +128,31 @@ class Scheduler:
         # Penalties and min_tokens read the tokens before each position, which differ between a step's drafts.
         return not params.needs_penalties and request.num_output_tokens >= params.min_tokens
 
-    def _num_drafts_allowed(self, request: Request, token_budget: int) -> int:
-        """How many drafts the request may verify this step (0: a plain decode step, or not a decode at all)."""
+    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
+        """The drafts the request verifies this step; none for a plain decode step, or no decode at all."""
         if request.num_output_placeholders or request.num_computed_tokens != request.num_tokens - 1:
-            return 0  # a token still in flight, or a prompt (or a resumed request) still being computed
+            return []  # a token still in flight, or a prompt (or a resumed request) still being computed
         if not self._speculates(request):
-            return 0
+            return []
+        speculative = self.speculative
         # The verified drafts and the token after them must fit the length limit and the step's budget.
-        return min(
-            request.max_next_drafts or self.speculative.num_speculative_tokens,
+        num_drafts = min(
+            request.max_next_drafts or speculative.num_speculative_tokens,
             self._length_limit(request) - request.num_tokens - 1,
             token_budget - 1,
         )
-
-    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
-        num_drafts = self._num_drafts_allowed(request, token_budget)
         if num_drafts <= 0:
             return []
-        speculative = self.speculative
         return propose_ngram_drafts(
             request.token_ids, num_drafts, speculative.prompt_lookup_max, speculative.prompt_lookup_min
         )
 
-    def _advance(self, plan: StepPlan, request: Request, num_new: int) -> None:
-        """Count the step's tokens as computed now; reaching the end of the known tokens means one is sampled."""
+    def _advance(self, plan: StepPlan, request: Request, num_new: int, num_drafts: int = 0) -> None:
+        """Count the step's tokens as computed now; reaching the end of the known tokens (and the drafts after
+        them) means one is sampled."""
         plan.num_scheduled_tokens[request.request_id] = num_new
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens_with_placeholders:
+        if request.num_computed_tokens == request.num_tokens_with_placeholders + num_drafts:
             request.num_output_placeholders += 1
 
     def schedule(self) -> StepPlan:
@@ -237,17 +235,13 @@ class Scheduler:
                 )
             )
             request.num_tokens_sent = request.num_tokens
+            self._advance(plan, request, num_new, len(drafts))
             if drafts:
                 plan.spec_token_ids[request.request_id] = drafts
                 request.num_drafts_in_flight = len(drafts)
                 self.num_draft_tokens += len(drafts)
-                plan.num_scheduled_tokens[request.request_id] = num_new
-                request.num_computed_tokens += num_new
-                request.num_output_placeholders += 1
-            else:
-                self._advance(plan, request, num_new)
-                if request.steps_until_drafts:
-                    request.steps_until_drafts -= 1
+            elif request.steps_until_drafts:
+                request.steps_until_drafts -= 1
             token_budget -= num_new
         return token_budget
 

@@ -266,7 +266,7 @@ class ModelRunner:
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
-            drafts = spec_token_ids.get(request_id, []) if spec_token_ids else []
+            drafts = spec_token_ids.get(request_id, [])
             input_ids.extend(state.token_ids[start:end])
             if drafts:
                 input_ids.extend(drafts)
@@ -358,9 +358,8 @@ class ModelRunner:
             if has_logprobs:
                 result.logprobs.append(sampled.logprobs[row : row + num_accepted + 1])
             row += len(drafts) + 1
-            if drafts:
-                # The rejected drafts' slots are written again by the tokens that really come there.
-                state.num_computed_tokens -= len(drafts) - num_accepted
+            # The rejected drafts' slots are written again by the tokens that really come there.
+            state.num_computed_tokens -= len(drafts) - num_accepted
             if self.keeps_sampled_tokens:
                 # The next step may be planned before the scheduler has seen these tokens (async scheduling).
                 state.token_ids.extend(token_ids)
