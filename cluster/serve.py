@@ -121,7 +121,7 @@ def engine_actors(config: AppConfig) -> list[Any]:
     """The application's scheduler actors that exist now."""
     import ray
 
-    from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+    from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 
     engines = []
     for index in range(config.serve.engine_replicas):

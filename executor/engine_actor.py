@@ -18,7 +18,8 @@ from typing import Any
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import EngineCore, EngineOutput
-from executor.executors import EngineDeadError, EngineOverloadedError, RayExecutor
+from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
+from executor.executors import RayExecutor
 from executor.heap import freeze_startup_heap, thaw_heap
 from executor.output_channel import accept_client, send_outputs
 from executor.step_channel import SECRET_BYTES
@@ -39,10 +40,6 @@ CLIENT_LEASE_S = 60.0
 EARLY_ABORT_MEMORY_S = 120.0
 
 
-class EngineDrainingError(RuntimeError):
-    """The server is shutting down: new requests are refused while the ones in flight finish."""
-
-
 def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
     """A task that outlives the Ray call that starts it.
 
@@ -59,12 +56,6 @@ def open_output_stream(engine: Any, client_id: str, ahead: int = OUTPUT_STREAM_A
     return engine.stream_outputs.options(num_returns="streaming", _generator_backpressure_num_objects=ahead).remote(
         client_id
     )
-
-
-def short_reason(error: BaseException) -> str:
-    """The last line of an error (Ray puts the remote traceback first): what clients are told; logs keep the rest."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(error).__name__)[:300]
 
 
 def process_rss_bytes() -> int:

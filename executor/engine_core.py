@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
-from executor.executors import EngineOverloadedError, Executor
+from executor.errors import EngineOverloadedError
+from executor.executors import Executor
 from executor.metrics import EngineMetrics
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler

@@ -9,6 +9,7 @@ import pickle
 from abc import ABC, abstractmethod
 
 from configs.engine_config import EngineConfig
+from executor.errors import EngineDeadError
 from executor.step_channel import StepChannel
 from executor.worker import ModelWorker
 from model_executor.model_info import ModelInfo
@@ -18,14 +19,6 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
 HEALTH_TIMEOUT_S = 30.0
-
-
-class EngineDeadError(RuntimeError):
-    """A model worker died or failed; the engine cannot go on and must be rebuilt."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the request was refused before it took any resource."""
 
 
 def default_threads_per_worker(config: EngineConfig) -> int:

@@ -31,20 +31,15 @@ from starlette.types import Receive, Scope, Send
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import (
-    REQUEST_LEASE_S,
-    EngineActor,
-    EngineDrainingError,
-    process_rss_bytes,
-    short_reason,
-)
+from executor.engine_actor import process_rss_bytes
 from executor.engine_core import validate_prompt
-from executor.executors import EngineDeadError, EngineOverloadedError
+from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
 from executor.heap import freeze_startup_heap
 from executor.output_processor import OutputProcessor, RequestState
 from model_executor.model_fetch import resolve_model
 from serve_app.engine_client import EngineClient
 from serve_app.engine_router import EngineRouter, merge_expositions
+from serve_app.engines import get_or_create_engine
 from serve_app.http_guard import GuardError, HttpGuard
 from serve_app.protocol import (
     ChatCompletionRequest,
@@ -62,14 +57,9 @@ from serve_app.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0
-# Serve health-checks every replica every 10 s (each check pings the engines): six missed checks and no ingress is
-# left, so the engine ends itself.
-ENGINE_ORPHAN_TIMEOUT_S = 60.0
 DETACH_TIMEOUT_S = 10.0
 # Only a JSON text with a \uD800-\uDFFF escape can hold a lone surrogate once strictly decoded as UTF-8.
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-# Engine actors live in a namespace of their own, so operators and tests find them by name from any job.
-ENGINE_NAMESPACE = "pagedserve"
 
 
 class RequestError(Exception):
@@ -96,27 +86,6 @@ def parameter_named_in(message: str) -> str | None:
     """The request parameter an engine error message starts with, for the error's `param`."""
     first_word = message.split(" ", 1)[0]
     return first_word if first_word in SAMPLING_FIELDS else None
-
-
-def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
-    return f"{app_name}-engine-{replica_index}"
-
-
-def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
-    """A scheduler actor of this app; the first ingress replica creates it, the others find it by name.
-
-    Detached, so an ingress replica's death does not take it along (its replacement re-adopts it by name) and Ray
-    removes its placement group when it ends; it ends itself when its last ingress detaches or falls silent.
-    """
-    engine_class = ray.remote(EngineActor)
-    return engine_class.options(
-        name=engine_actor_name(config.serve.app_name, replica_index),
-        namespace=ENGINE_NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        num_cpus=0,
-        max_concurrency=10_000,
-    ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
 def validate_payload(model: type[BaseModel], payload: Any) -> Any:

@@ -18,15 +18,9 @@ from typing import Any
 import ray
 
 from configs.sampling_params import SamplingParams
-from executor.engine_actor import (
-    OUTPUT_POLL_TIMEOUT_S,
-    EngineDrainingError,
-    background_task,
-    open_output_stream,
-    short_reason,
-)
+from executor.engine_actor import OUTPUT_POLL_TIMEOUT_S, background_task, open_output_stream
 from executor.engine_core import EngineOutput
-from executor.executors import EngineDeadError, EngineOverloadedError
+from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
 from executor.output_channel import OutputChannel, OutputChannelClosedError
 
 logger = logging.getLogger(__name__)

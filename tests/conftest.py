@@ -176,7 +176,7 @@ def assert_engine_drained(app_name: str, timeout_s: float = 30.0) -> None:
     block is free again."""
     import ray
 
-    from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+    from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 
     engine = ray.get_actor(engine_actor_name(app_name), namespace=ENGINE_NAMESPACE)
     deadline = time.monotonic() + timeout_s

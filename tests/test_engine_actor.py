@@ -12,7 +12,7 @@ import ray
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_actor import OUTPUT_STREAM_AHEAD, EngineActor, open_output_stream
-from executor.executors import EngineDeadError
+from executor.errors import EngineDeadError
 
 
 def start_engine(model_dir, **config):

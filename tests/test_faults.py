@@ -28,7 +28,8 @@ from configs.app_config import AppConfig
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_actor import REQUEST_LEASE_S, EngineActor
-from serve_app.app import ENGINE_NAMESPACE, ENGINE_ORPHAN_TIMEOUT_S, build_app, engine_actor_name
+from serve_app.app import build_app
+from serve_app.engines import ENGINE_NAMESPACE, ENGINE_ORPHAN_TIMEOUT_S, engine_actor_name
 from tests.conftest import free_port, ray_actors
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
+from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow

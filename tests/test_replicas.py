@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.app import ENGINE_NAMESPACE, engine_actor_name
 from serve_app.engine_router import merge_expositions, prefix_key
+from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 from tests.conftest import deployed_app
 
 pytestmark = pytest.mark.slow

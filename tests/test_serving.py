@@ -13,7 +13,8 @@ import ray
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from serve_app.app import ENGINE_NAMESPACE, build_app, engine_actor_name
+from serve_app.app import build_app
+from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 from tests.test_parity import SMOLLM2_PROMPTS, random_prompts
 
 pytestmark = pytest.mark.slow

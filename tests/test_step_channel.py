@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from configs.sampling_params import SamplingParams
-from executor.executors import EngineDeadError
+from executor.errors import EngineDeadError
 from executor.step_channel import StepChannel, StepChannelClosedError, frame, open_step_listener
 from model_executor.step_plan import StepPlan
 from tests.test_engine_actor import collect, start_engine
