@@ -1,1 +1,2 @@
-"""Entry points: the `pagedserve` CLI and (next) Ray cluster jobs."""
+"""Cluster operations: the `pagedserve` CLI, the embedded-Ray server, `ray job submit` jobs, and benchmarks
+(`cluster.bench`)."""

@@ -1,4 +1,6 @@
-"""Attention backends over the paged KV cache: torch (CPU, reference) now, Triton (CUDA) beside it."""
+"""Kernels under the model: attention backends over the paged KV cache (Triton on CUDA, our C++ kernels on CPU,
+pure torch as the reference), the C++ CPU ops (`cpu_ops`: attention, linear panels, the decoder stack), Triton
+fused elementwise kernels and CUDA graphs."""
 
 from cuda_ext.attention import AttentionBackend, AttentionBatch, get_attention_backend
 
