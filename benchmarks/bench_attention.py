@@ -1,6 +1,6 @@
 """Paged attention on CUDA: the Triton kernels against the torch backend, per step of one layer.
 
-    python benchmarks/bench_attention.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8] [--head-dim 128]
+    python -m benchmarks.bench_attention [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8] [--head-dim 128]
 
 For each scenario it prints the torch backend and Triton backend times (KV-cache write + attention, ms), the
 speedup, the two Triton kernels alone, the attention kernel's KV read bandwidth (decode-only steps), and the

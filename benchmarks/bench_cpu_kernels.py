@@ -1,6 +1,6 @@
 """Our C++ CPU kernels against the pure-torch path they replace, at SmolLM2-135M's shapes, per layer of one step.
 
-    python benchmarks/bench_cpu_kernels.py [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,128,512]
+    python -m benchmarks.bench_cpu_kernels [--threads N] [--iterations 50] [--linear-rows 1,8,16,32,64,128,512]
 
 Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
 whole backend call (KV write + attention) on decode batches and prefill chunks over shuffled cache blocks (the
@@ -13,15 +13,11 @@ the model, plus the LM head) at each row count on oneDNN's packed GEMM, on our d
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cuda_ext import fused_ops
 from cuda_ext.attention.base import AttentionBatch

@@ -1,33 +1,31 @@
-"""Offline `LLM` throughput at several stream counts on any device (the GPU figures in the README come from here).
+"""Offline `LLM` throughput at several stream counts, on any device.
 
-    python benchmarks/offline_throughput.py [--model smollm2-135m-instruct | DIR | --random-weights]
+    python -m benchmarks.offline_throughput [--model smollm2-135m-instruct | DIR | --random-weights]
         [--device cuda] [--dtype bfloat16] [--streams 1,64,256] [--input-len 48] [--output-len 128]
         [--kv-cache-memory-gib 1.0]
 
 Each count runs every stream's prompt of random tokens at once through `LLM.generate` (greedy, ignore_eos) after a
-warm-up, and prints output tokens/s; one stream is the median of three runs. `--random-weights` builds a model of
-SmolLM2-135M's shapes with random weights and the default model's tokenizer (where the weights cannot be copied, as
-on the lent GPU box the README's figures come from): the same work per token, not the same tokens.
-`--compare-torch-elementwise` also times the torch compositions in place of our Triton elementwise kernels (CUDA
-only), alternated twice in this process.
+warm-up, and logs output tokens/s; one stream is the median of three runs. `--random-weights` builds a model of
+SmolLM2-135M's shapes with random weights and the default model's tokenizer (for machines the weights cannot be
+copied to): the same work per token, not the same tokens. `--compare-torch-elementwise` also times the torch
+compositions in place of our Triton elementwise kernels (CUDA only), alternated twice in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from cluster.bench.offline import time_generate
+from cluster.bench.workload import random_token_prompts
 
+# Not __name__: run with `python -m`, that is "__main__".
 logger = logging.getLogger("offline_throughput")
 
 SMOLLM2_SHAPE = {
@@ -53,29 +51,16 @@ def random_smollm2_shaped(directory: Path) -> Path:
     return write_tiny_llama(directory, fetch_model(DEFAULT_MODEL), **SMOLLM2_SHAPE)
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(llm: Any, prompts: dict[int, list[list[int]]], output_len: int, device: str) -> dict[int, float]:
+def measure(llm: Any, prompts: dict[int, list[list[int]]], output_len: int) -> dict[int, float]:
+    """stream count -> output tok/s of its prompts all at once; one stream is the median of three runs."""
     from configs.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    warm_up = next(iter(prompts.values()))[:4]
-    llm.generate(warm_up, params, use_tqdm=False)
-    figures = {}
-    for streams, stream_prompts in prompts.items():
-        rates = []
-        for _ in range(3 if streams == 1 else 1):
-            synchronize(device)
-            start = time.perf_counter()
-            outputs = llm.generate(stream_prompts, params, use_tqdm=False)
-            synchronize(device)
-            tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-            rates.append(tokens / (time.perf_counter() - start))
-        figures[streams] = statistics.median(rates)
-    return figures
+    llm.generate(next(iter(prompts.values()))[:4], params, use_tqdm=False)  # warm-up
+    return {
+        streams: time_generate(llm, stream_prompts, params, repeats=3 if streams == 1 else 1).output_tok_per_s
+        for streams, stream_prompts in prompts.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if args.random_weights:
         model = str(random_smollm2_shaped(Path(tempfile.mkdtemp(prefix="smollm2-shaped-"))))
-    generator = torch.Generator().manual_seed(0)
     counts = [int(count) for count in args.streams.split(",")]
-    prompts = {
-        count: [torch.randint(3, 49152, (args.input_len,), generator=generator).tolist() for _ in range(count)]
-        for count in counts
-    }
+    prompts = random_token_prompts(counts, args.input_len)
     triton_elementwise = fused_ops._triton_ops
     variants = ["ours", "torch elementwise"] * 2 if args.compare_torch_elementwise else ["ours"]
     for variant in variants:
@@ -120,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_gib=args.kv_cache_memory_gib,
         )
         runner = llm.engine.core.executor.worker.runner
-        figures = measure(llm, prompts, args.output_len, runner.device.type)
+        figures = measure(llm, prompts, args.output_len)
         logger.info(
             "%s on %s (%s): %s",
             variant,

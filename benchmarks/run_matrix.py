@@ -2,7 +2,7 @@
 model directory, measured with `pagedserve bench` on the same prompts, plus the offline `LLM` API, a bare
 prefill forward and HF `generate` / our matmul roofline, printed as one table of figures and ratios.
 
-    python benchmarks/run_matrix.py [--vllm-python /path/to/vllm-venv/bin/python] [--output-json FILE]
+    python -m benchmarks.run_matrix [--vllm-python /path/to/vllm-venv/bin/python] [--output-json FILE]
 
 Servers run one at a time (2 cores: anything else running skews every figure). Each is started, waited for
 (`GET /v1/models`), measured and stopped with its whole process group before the next one starts.
@@ -26,11 +26,13 @@ from typing import Any
 import httpx
 import yaml
 
+from cluster.bench.client import run_client
+from cluster.bench.offline import time_generate
+from cluster.bench.serving import run_benchmark
+from cluster.bench.workload import synthetic_prompts
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from cluster.bench_serve import run_benchmark, run_client, synthetic_prompts  # noqa: E402
-
+# Not __name__: run with `python -m`, that is "__main__".
 logger = logging.getLogger("run_matrix")
 MODEL_ID = "smollm2-135m-instruct"
 
@@ -114,14 +116,13 @@ def cpu_used_s(before: dict[int, tuple[str, float]], after: dict[int, tuple[str,
 IDLE_WINDOW_S = 20.0
 
 
-# Steps of the batch-1 roofline timed on each side of the one-stream run (~1.6 s each): this VM's memory bandwidth
-# drifts by 10-20% from minute to minute, and the baselines' roofline of 20 steps minutes later moved with it.
+# Batch-1 roofline steps timed on each side of the one-stream run: memory bandwidth drifts from minute to minute.
 ROOFLINE_AROUND_STEPS = 100
 
 
 def batch1_roofline_tok_per_s(model_dir: str) -> float:
     """Our linears alone at batch 1 (the LM head as the engine runs it for greedy rows), median of a few seconds."""
-    from cluster.baselines import matmul_roofline
+    from cluster.bench.baselines import matmul_roofline
 
     return matmul_roofline(model_dir, 1, ROOFLINE_AROUND_STEPS, show_progress=False)["tok_per_s"]
 
@@ -150,13 +151,8 @@ class OfflineEngine:
         settings = SCENARIOS[scenario]
         prompts = synthetic_prompts(settings["num_prompts"], settings["input_len"], settings["seed"] + seed_offset)
         self.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        if settings.get("max_concurrency") == 1:
-            outputs = [o for prompt in prompts for o in self.llm.generate([prompt], self.params, use_tqdm=False)]
-        else:
-            outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+        one_at_a_time = settings.get("max_concurrency") == 1
+        return time_generate(self.llm, prompts, self.params, one_at_a_time=one_at_a_time).output_tok_per_s
 
 
 # Scenarios whose HTTP run the offline engine brackets, on the same prompts (its prefix cache emptied before each):
@@ -214,9 +210,7 @@ def offline_figures(offline: OfflineEngine) -> dict[str, float]:
     for attempt in range(5):
         # A new prompt each time, so no prefix-cache hit shortens the forward.
         prompt_ids = llm.tokenizer(synthetic_prompts(1, 100, 900 + attempt)[0]).input_ids[:128]
-        start = time.perf_counter()
-        llm.generate([prompt_ids], one_token, use_tqdm=False)
-        timings.append(time.perf_counter() - start)
+        timings.append(time_generate(llm, [prompt_ids], one_token).elapsed_s)
     figures["128-token prefill forward ms"] = sorted(timings)[len(timings) // 2] * 1000
     figures["128-token prompt tokens"] = len(prompt_ids)
     # The same engine, in this process, beside an idle Ray cluster: what Ray's own background work costs the model.

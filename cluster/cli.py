@@ -19,7 +19,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from cluster.bench_offline import run_offline_benchmark
+    from cluster.bench.offline import run_offline_benchmark
 
     run_offline_benchmark(args)
     return 0
@@ -27,7 +27,8 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Exit status 1 when any request failed, so scripts notice a broken endpoint."""
-    from cluster.bench_serve import run_benchmark, run_client
+    from cluster.bench.client import run_client
+    from cluster.bench.serving import run_benchmark
 
     result = run_client(run_benchmark(args))
     return 1 if result["summary"]["failed"] else 0
@@ -48,8 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     """Exit status 1 when the soak found a leak or the server stopped serving."""
+    from cluster.bench.soak import format_soak_report, run_soak, soak_config_from_args
     from cluster.serve import shutdown, start_ray
-    from cluster.soak import format_soak_report, run_soak, soak_config_from_args
     from configs.app_config import AppConfig
 
     config = AppConfig.from_yaml(args.config) if args.config else AppConfig()

@@ -150,7 +150,7 @@ def drain(config: AppConfig, grace_s: float, hurry: threading.Event | None = Non
         except ray.exceptions.RayError as error:
             logger.warning("engine stats unavailable while draining: %s", error)
             return 0
-        return sum(engine_stats["num_running"] + engine_stats["num_waiting"] for engine_stats in stats)
+        return sum(engine_stats.num_running + engine_stats.num_waiting for engine_stats in stats)
 
     at_start = remaining = in_flight()
     logger.info("draining: no new requests; %d in flight get up to %.0f s to finish", at_start, grace_s)

@@ -4,32 +4,20 @@ tiny model, and real runs over HTTP against a tiny model deployed on Ray Serve."
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import math
 import re
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from cluster.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
-from cluster.bench_serve import (
-    BenchConfig,
-    RequestRecord,
-    arrival_gaps,
-    baseline_model_dir,
-    client_session,
-    format_report,
-    parse_batch_sizes,
-    percentile,
-    run_benchmark,
-    run_client,
-    send_request,
-    summarize,
-    synthetic_prompts,
-)
+from cluster.bench.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
+from cluster.bench.client import RequestRecord, client_session, run_client, send_request
+from cluster.bench.config import BenchConfig, parse_batch_sizes
+from cluster.bench.serving import baseline_model_dir, run_benchmark
+from cluster.bench.stats import format_report, percentile, summarize
+from cluster.bench.workload import arrival_gaps, synthetic_prompts
 from model_executor.layers.greedy_screen import cpu_has_bf16_dot_products
 
 pytestmark = pytest.mark.slow
@@ -421,10 +409,8 @@ def test_chat_endpoint_and_shared_prefix(bench_url):
 
 
 def test_offline_throughput_cli_logs_each_stream_count(caplog):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_throughput.py"
-    spec = importlib.util.spec_from_file_location("offline_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import offline_throughput as module
+
     arguments = ["--model", "tiny-random-llama", "--device", "cpu", "--streams", "1,3", "--output-len", "4"]
     with caplog.at_level(logging.INFO, logger="offline_throughput"):
         assert module.main(arguments) == 0

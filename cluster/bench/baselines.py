@@ -1,12 +1,14 @@
-"""Reference throughputs to put a serving benchmark's number in context, measured on the same machine.
+"""Reference throughputs to put our numbers in context, measured on the same machine.
 
 * `hf_generate_throughput`: HF transformers `generate` (greedy, float32 on CPU, left padding, static batches) over
   given prompts, exactly `output_len` new tokens per prompt, at several batch sizes.
 * `matmul_roofline`: only the linear layers of our own model (every layer's qkv/o/gate_up/down projections plus the
   LM head, with the weights `ModelRunner` loads) on random activations, as one decode step of `batch_size` tokens.
   No attention, norms, sampling, scheduling or HTTP: an upper bound for our decode throughput at that batch.
+* `workload_ceiling`: the roofline summed over a whole burst of requests (their prefill, then their decode steps).
 
-Both are plain functions of a model directory, so `pagedserve bench --baselines` and offline scripts can share them.
+Plain functions of a model directory, shared by `pagedserve bench --baselines`, `pagedserve bench-offline` and
+`benchmarks/run_matrix.py`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ if anything leaks.
 1. Deploy (embedded Ray, or RAY_ADDRESS) and warm up.
 2. Measure capacity: a burst of `2 x max_num_seqs` streamed requests at once, completed requests per second.
 3. Load: Poisson arrivals at `capacity_factor x capacity` for `duration_s`, through the `pagedserve bench` client
-   (`cluster.bench_serve.send_request`); a `disconnect_fraction` of them hang up at a random moment (queued or
+   (`cluster.bench.client.send_request`); a `disconnect_fraction` of them hang up at a random moment (queued or
    mid-stream), the rest give up after `request_timeout_s`.
 4. After the load: the engine must be idle again with every KV block free, no per-request state left in the
    engine or the ingress, a normal request must succeed, and neither the scheduler actor's nor the ingress
@@ -30,14 +30,9 @@ from typing import Any
 
 import aiohttp
 
-from cluster.bench_serve import (
-    BenchConfig,
-    RequestRecord,
-    client_session,
-    first_model_id,
-    send_request,
-    synthetic_prompts,
-)
+from cluster.bench.client import RequestRecord, client_session, first_model_id, send_request
+from cluster.bench.config import BenchConfig
+from cluster.bench.workload import synthetic_prompts
 from configs.app_config import AppConfig
 
 logger = logging.getLogger(__name__)
@@ -136,7 +131,7 @@ def wait_until_idle(engines: list[Any]) -> list[dict[str, Any]]:
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         stats = ray.get([engine.stats.remote() for engine in engines], timeout=RAY_CALL_TIMEOUT_S)
-        if all(engine_stats["num_running"] == engine_stats["num_waiting"] == 0 for engine_stats in stats):
+        if all(engine_stats.num_running == engine_stats.num_waiting == 0 for engine_stats in stats):
             return stats
         if time.monotonic() > deadline:
             raise TimeoutError(f"engines still busy after {IDLE_TIMEOUT_S:.0f} s: {stats}")
@@ -152,11 +147,11 @@ def ingress_state(app_name: str) -> dict[str, int]:
 def snapshot(config: AppConfig, engines: list[Any]) -> dict[str, Any]:
     stats = wait_until_idle(engines)
     return {
-        "free_blocks": sum(engine_stats["num_free_blocks"] for engine_stats in stats),
-        "kv_blocks": sum(engine_stats["num_kv_blocks"] for engine_stats in stats),
-        "engine_rss_mib": max(engine_stats["rss_bytes"] for engine_stats in stats) / 2**20,
+        "free_blocks": sum(engine_stats.num_free_blocks for engine_stats in stats),
+        "kv_blocks": sum(engine_stats.num_kv_blocks for engine_stats in stats),
+        "engine_rss_mib": max(engine_stats.rss_bytes for engine_stats in stats) / 2**20,
         "engine_request_state": sum(
-            engine_stats["num_tracked_requests"] + engine_stats["num_undelivered_outputs"] for engine_stats in stats
+            engine_stats.num_tracked_requests + engine_stats.num_undelivered_outputs for engine_stats in stats
         ),
         "ingress": ingress_state(config.serve.app_name),
     }
