@@ -1,1 +1,1 @@
-"""The OpenAI-compatible Ray Serve ingress (arrives with the serving issue)."""
+"""The OpenAI-compatible Ray Serve ingress: HTTP, validation, chat template, engine replicas, responses."""

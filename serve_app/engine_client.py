@@ -22,10 +22,10 @@ from executor.engine_actor import OUTPUT_POLL_TIMEOUT_S, background_task, open_o
 from executor.engine_core import EngineOutput
 from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
 from executor.output_channel import OutputChannel, OutputChannelClosedError
+from serve_app.engines import ENGINE_READY_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
-ENGINE_READY_TIMEOUT_S = 600.0
 # A request whose outputs nobody started reading this long after it was queued has lost its reader. A reader that
 # is there but slow (a slow client, a saturated proxy) is never reaped, however long it stalls.
 ORPHAN_QUEUE_S = 120.0

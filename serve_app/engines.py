@@ -1,20 +1,36 @@
-"""Engine replicas by name: the scheduler actors an app's ingress creates, adopts after a restart, and that
-operators (`cluster/`) and tests look up."""
+"""Engine replicas by name, and their lifecycle as an ingress replica sees it: create or adopt them, replace one
+that runs another config, detach when the replica stops. Operators (`cluster/`) and tests look them up here too."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from configs.app_config import AppConfig
 from executor.engine_actor import REQUEST_LEASE_S, EngineActor
+from executor.errors import EngineDrainingError, short_reason
+
+if TYPE_CHECKING:
+    from configs.engine_config import EngineConfig
+    from executor.outputs import EngineInfo
+    from serve_app.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
 
 # Engine actors live in a namespace of their own, so operators and tests find them by name from any job.
 ENGINE_NAMESPACE = "pagedserve"
 # Serve health-checks every replica every 10 s (each check pings the engines): six missed checks and no ingress is
 # left, so the engine ends itself.
 ENGINE_ORPHAN_TIMEOUT_S = 60.0
+# A new engine loads its model and builds its workers before it answers attach.
+ENGINE_READY_TIMEOUT_S = 600.0
+DETACH_TIMEOUT_S = 10.0
 
 
 def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
@@ -38,6 +54,50 @@ def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
     ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
+def engine_creators(config: AppConfig) -> list[Callable[[], Any]]:
+    """One blocking `get_or_create_engine` per engine replica of the app, for EngineClient to call again later."""
+    return [functools.partial(get_or_create_engine, config, index) for index in range(config.serve.engine_replicas)]
+
+
 def engine_handle(app_name: str, replica_index: int = 0) -> Any:
     """The running scheduler actor of an app's engine replica (raises ValueError when there is none)."""
     return ray.get_actor(engine_actor_name(app_name, replica_index), namespace=ENGINE_NAMESPACE)
+
+
+def attach_engine(client: EngineClient, wanted: EngineConfig) -> EngineInfo:
+    """Adopt the client's engine by name (blocking). One running another config (a redeploy) is replaced; one that
+    is ending (its last ingress just left) is waited out and created anew."""
+    deadline = time.monotonic() + ENGINE_READY_TIMEOUT_S
+    while True:
+        try:
+            info = ray.get(client.engine.attach.remote(client.client_id), timeout=ENGINE_READY_TIMEOUT_S)
+            if info.engine_config == wanted:
+                return info
+            logger.warning("the running engine has another config; replacing it")
+            ray.kill(client.engine)
+        except (ray.exceptions.RayActorError, EngineDrainingError) as error:
+            logger.warning("engine not available (%s); creating it again", short_reason(error))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no engine within {ENGINE_READY_TIMEOUT_S:.0f} s")
+        # A killed actor's name is freed a moment after it dies.
+        time.sleep(0.2)
+        client.engine = client.create_engine()
+
+
+def attach_engines(clients: Sequence[EngineClient], wanted: EngineConfig) -> EngineInfo:
+    """Attach every engine replica; requests are validated against the strictest (replicas may differ in KV
+    capacity)."""
+    infos = [attach_engine(client, wanted) for client in clients]
+    return min(infos, key=lambda info: info.max_model_len)
+
+
+async def detach_engines(clients: Sequence[EngineClient]) -> None:
+    """Leave every engine replica, so the last ingress replica to go ends the engines, workers and placement
+    groups."""
+    for client in clients:
+        try:
+            await asyncio.wait_for(client.engine.detach.remote(client.client_id), DETACH_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            pass  # the engine already ended (it may end before its answer to the last detach arrives)
+        except Exception as error:
+            logger.warning("detaching from the engine failed: %s", short_reason(error))

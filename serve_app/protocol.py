@@ -1,4 +1,7 @@
-"""OpenAI request and response bodies (pydantic), and the mapping of a request to SamplingParams."""
+"""OpenAI request and response bodies (pydantic), and the mapping of a request to SamplingParams.
+
+Every JSON body and SSE chunk the server sends is one of the response models here, dumped with `model_dump()`.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 from configs.sampling_params import SamplingParams
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
 
 
 class OpenAIBaseModel(BaseModel):
@@ -101,43 +108,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    ).model_dump()
-
-
-def message_text(message: ChatMessage) -> str:
-    """Chat content may be a string or a list of text parts."""
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    parts = []
-    for part in message.content:
-        if part.get("type") != "text":
-            raise ValueError(f"messages content part of type {part.get('type')!r} is not supported (text only).")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
-
-
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
@@ -152,49 +122,174 @@ class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[int]
 
 
-class LogprobFormatter:
-    """OpenAI's two logprob shapes (completions and chat) from the sampler's TokenLogprobs."""
+# Responses. Field order is the JSON key order; a None field is sent as null unless its model says otherwise.
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.token_texts: dict[int, str] = {}
 
-    def text(self, token_id: int) -> str:
-        text = self.token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self.token_texts[token_id] = text
-        return text
+class ResponseModel(BaseModel):
+    # Built by the server, never from client input: extra fields are a bug; a logprob may be -inf.
+    model_config = ConfigDict(extra="forbid")
 
-    def completion(self, entries: list[Any], text_offset: int = 0) -> dict[str, Any]:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for entry in entries:
-            token = self.text(entry.token_id)
-            tokens.append(token)
-            token_logprobs.append(entry.logprob)
-            top = {self.text(token_id): logprob for token_id, logprob in entry.top_logprobs}
-            top.setdefault(token, entry.logprob)
-            top_logprobs.append(top)
-            offsets.append(text_offset)
-            text_offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": offsets,
-        }
 
-    def chat(self, entries: list[Any]) -> dict[str, Any]:
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
-            token = self.text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
-        return {
-            "content": [
-                {
-                    **item(entry.token_id, entry.logprob),
-                    "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top_logprobs],
-                }
-                for entry in entries
-            ]
-        }
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class StreamChunk(ResponseModel):
+    """A stream chunk: its `usage` is left out of every chunk but the last one of a stream that asked for it."""
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_usage(self, handler: Any) -> dict[str, Any]:
+        fields = handler(self)
+        if fields.get("usage") is None:
+            fields.pop("usage", None)
+        return fields
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTokenLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatLogprobEntry]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(StreamChunk):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaMessage(ResponseModel):
+    """What a chat stream chunk adds to the message: only the fields it sets are sent (`{}` on the last one)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, str]:
+        return {name: value for name, value in (("role", self.role), ("content", self.content)) if value is not None}
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(StreamChunk):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorInfo
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str

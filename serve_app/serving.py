@@ -1,0 +1,293 @@
+"""The OpenAI endpoints' work on validated request bodies: prompts and sampling parameters in, response models (or
+a stream of chunk models) out. No HTTP here: the ingress turns what these return into responses."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from configs.app_config import ServeSection
+from configs.sampling_params import SamplingParams
+from executor.engine_core import validate_prompt
+from executor.outputs import EngineInfo
+from serve_app.chat_template import ChatTemplate, refuse_request_templates
+from serve_app.logprobs import LogprobFormatter
+from serve_app.protocol import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    SamplingFields,
+    StreamChunk,
+    TokenizeRequest,
+    TokenizeResponse,
+    Usage,
+    now,
+    random_id,
+)
+from serve_app.request_runner import Prompt, RequestRunner, Submission
+from serve_app.validation import PromptLengthLimit, RequestError, check_model, parameter_named_in
+
+
+@dataclass(slots=True)
+class ChunkStream:
+    """A streamed response: its chunks, and the submissions to release however the stream ends."""
+
+    chunks: AsyncIterator[StreamChunk]
+    submissions: list[Submission]
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Any,
+        engine_info: EngineInfo,
+        settings: ServeSection,
+        runner: RequestRunner,
+        tokenizer_thread: ThreadPoolExecutor,
+    ):
+        """`tokenizer_thread`: where tokenization (which releases the GIL) runs, so a long prompt does not stall
+        every other stream on the event loop."""
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.engine_info = engine_info
+        self.settings = settings
+        self.runner = runner
+        self.tokenizer_thread = tokenizer_thread
+        self.length_limit = PromptLengthLimit.of(tokenizer, engine_info.max_model_len)
+        self.chat_template = ChatTemplate(tokenizer, self.length_limit)
+        self.logprobs = LogprobFormatter(tokenizer)
+
+    async def _tokenizing(self, function: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, function, *args)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model, self.model_name)
+        refuse_request_templates(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
+        if body.messages is not None:
+            token_ids = await self._tokenizing(
+                self.chat_template.render, body.messages, body.add_generation_prompt, body.continue_final_message
+            )
+        else:
+            token_ids = await self._tokenizing(
+                functools.partial(self.tokenizer.encode, add_special_tokens=body.add_special_tokens), body.prompt
+            )
+        return TokenizeResponse(count=len(token_ids), max_model_len=self.engine_info.max_model_len, tokens=token_ids)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model, self.model_name)
+        vocab_size = self.engine_info.vocab_size
+        bad = [token_id for token_id in body.tokens if not 0 <= token_id < vocab_size]
+        if bad:
+            raise RequestError(400, f"token id {bad[0]} is out of the vocabulary (size {vocab_size}).", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+    def _sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        settings = self.settings
+        if body.n > settings.max_n:
+            raise RequestError(400, f"n must be at most {settings.max_n}, got {body.n}.", param="n")
+        if body.logit_bias and len(body.logit_bias) > settings.max_logit_bias_entries:
+            raise RequestError(
+                400,
+                f"logit_bias may have at most {settings.max_logit_bias_entries} entries, got {len(body.logit_bias)}.",
+                param="logit_bias",
+            )
+        if body.stream_options is not None and not body.stream:
+            raise RequestError(400, "stream_options can only be set when stream is true.", param="stream_options")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as error:
+            raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
+
+    async def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif not prompt:
+            raise RequestError(400, "prompt must not be empty.", param="prompt")
+        elif all(isinstance(item, int) for item in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(item, str) for item in prompt):
+            for text in prompt:
+                self.length_limit.check(len(text), "prompt")
+            token_ids = await self._tokenizing(lambda: [self.tokenizer.encode(text) for text in prompt])
+            return list(zip(prompt, token_ids))
+        return [(None, list(item)) for item in prompt]
+
+    def _validate_prompts(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        """The engine's own checks, here, so a bad request is a 400 before anything reaches the scheduler."""
+        for _, token_ids in prompts:
+            try:
+                validate_prompt(token_ids, params, self.engine_info.max_model_len, self.engine_info.vocab_size)
+            except ValueError as error:
+                raise RequestError(400, str(error), param=parameter_named_in(str(error)) or "prompt") from error
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        text, token_ids = prompt
+        return text if text is not None else self.tokenizer.decode(token_ids)
+
+    async def complete(self, body: CompletionRequest) -> CompletionResponse | ChunkStream:
+        check_model(body.model, self.model_name)
+        if body.echo and body.logprobs is not None:
+            raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
+        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        prompts = await self._completion_prompts(body.prompt)
+        self._validate_prompts(prompts, params)
+        completion_id = random_id("cmpl")
+        created = now()
+        submissions = await self.runner.submit(completion_id, prompts, params)
+        if body.stream:
+            chunks = self._completion_chunks(completion_id, created, prompts, submissions, params, body)
+            return ChunkStream(chunks, submissions)
+        final = await self.runner.run_to_end(submissions, params)
+        choices = []
+        num_completion_tokens = 0
+        for prompt_index in range(len(prompts)):
+            for completion in final[prompt_index].output.outputs:
+                num_completion_tokens += len(completion.token_ids)
+                prefix = self._echo_text(prompts[prompt_index]) if body.echo else ""
+                logprobs = None if completion.logprobs is None else self.logprobs.completion(completion.logprobs)
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * params.n + completion.index,
+                        text=prefix + completion.text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+        return CompletionResponse(
+            id=completion_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=Usage.of(num_prompt_tokens, num_completion_tokens),
+        )
+
+    async def _completion_chunks(
+        self,
+        completion_id: str,
+        created: int,
+        prompts: list[Prompt],
+        submissions: list[Submission],
+        params: SamplingParams,
+        body: CompletionRequest,
+    ) -> AsyncIterator[CompletionStreamResponse]:
+        chunk = functools.partial(CompletionStreamResponse, id=completion_id, created=created, model=self.model_name)
+        if body.echo:
+            for prompt_index, prompt in enumerate(prompts):
+                for index in range(params.n):
+                    echoed = CompletionChoice(index=prompt_index * params.n + index, text=self._echo_text(prompt))
+                    yield chunk(choices=[echoed])
+        num_completion_tokens = 0
+        text_offsets: dict[int, int] = {}
+        async for prompt_index, state in self.runner.merged(submissions, params):
+            for delta in state.deltas:
+                num_completion_tokens += len(delta.token_ids)
+                if not delta.text and delta.finish_reason is None:
+                    continue
+                index = prompt_index * params.n + delta.index
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self.logprobs.completion(delta.logprobs, text_offsets.get(index, 0))
+                    text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
+                choice = CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                yield chunk(choices=[choice])
+        if body.stream_options and body.stream_options.include_usage:
+            num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
+            yield chunk(choices=[], usage=Usage.of(num_prompt_tokens, num_completion_tokens))
+
+    async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse | ChunkStream:
+        check_model(body.model, self.model_name)
+        refuse_request_templates(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        prompt_token_ids = await self._tokenizing(
+            self.chat_template.render, body.messages, body.add_generation_prompt, body.continue_final_message
+        )
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, logprobs)
+        prompts: list[Prompt] = [(None, prompt_token_ids)]
+        self._validate_prompts(prompts, params)
+        completion_id = random_id("chatcmpl")
+        created = now()
+        submissions = await self.runner.submit(completion_id, prompts, params)
+        if body.stream:
+            chunks = self._chat_chunks(completion_id, created, len(prompt_token_ids), submissions, params, body)
+            return ChunkStream(chunks, submissions)
+        state = (await self.runner.run_to_end(submissions, params))[0]
+        choices = [
+            ChatCompletionChoice(
+                index=completion.index,
+                message=AssistantMessage(content=completion.text),
+                logprobs=None if completion.logprobs is None else self.logprobs.chat(completion.logprobs),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in state.output.outputs
+        ]
+        num_completion_tokens = sum(len(completion.token_ids) for completion in state.output.outputs)
+        return ChatCompletionResponse(
+            id=completion_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=Usage.of(len(prompt_token_ids), num_completion_tokens),
+        )
+
+    async def _chat_chunks(
+        self,
+        completion_id: str,
+        created: int,
+        num_prompt_tokens: int,
+        submissions: list[Submission],
+        params: SamplingParams,
+        body: ChatCompletionRequest,
+    ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        chunk = functools.partial(
+            ChatCompletionStreamResponse, id=completion_id, created=created, model=self.model_name
+        )
+        for index in range(params.n):
+            opening = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield chunk(choices=[opening])
+        num_completion_tokens = 0
+        async for _, state in self.runner.merged(submissions, params):
+            for delta in state.deltas:
+                num_completion_tokens += len(delta.token_ids)
+                logprobs = self.logprobs.chat(delta.logprobs) if params.logprobs is not None else None
+                # Logprobs asked for: every delta is sent, even one with no text.
+                if delta.text or logprobs is not None:
+                    content = DeltaMessage(content=delta.text)
+                    yield chunk(
+                        choices=[ChatCompletionStreamChoice(index=delta.index, delta=content, logprobs=logprobs)]
+                    )
+                if delta.finish_reason is not None:
+                    ending = ChatCompletionStreamChoice(
+                        index=delta.index, delta=DeltaMessage(), finish_reason=delta.finish_reason
+                    )
+                    yield chunk(choices=[ending])
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk(choices=[], usage=Usage.of(num_prompt_tokens, num_completion_tokens))
