@@ -1,6 +1,6 @@
-"""The scheduler actor: one per engine replica. Owns the EngineCore, runs the step loop in the background,
-and hands outputs to each ingress replica over one output stream, a batch per step (never one Ray message per token
-per request).
+"""The scheduler actor: one per engine replica. Owns the EngineCore and its lifecycle (start, step loop, rebuild,
+drain, shutdown, health); a ClientRegistry keeps which ingress replicas use it, and an OutputRouter hands each one its
+outputs, a batch per step (never one Ray message per token per request).
 """
 
 from __future__ import annotations
@@ -10,34 +10,38 @@ import contextlib
 import contextvars
 import logging
 import os
-import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Container, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
+from executor.client_registry import ClientRegistry
 from executor.engine_core import EngineCore, EngineOutput
 from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
 from executor.executors import RayExecutor
 from executor.heap import freeze_startup_heap, thaw_heap
-from executor.output_channel import accept_client, send_outputs
-from executor.step_channel import SECRET_BYTES
+from executor.output_router import OUTPUT_POLL_TIMEOUT_S, OutputRouter
+from executor.outputs import EngineInfo, EngineStats, EngineTopology
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import load_model_info
 
+__all__ = [
+    "OUTPUT_POLL_TIMEOUT_S",
+    "OUTPUT_STREAM_AHEAD",
+    "REQUEST_LEASE_S",
+    "EngineActor",
+    "background_task",
+    "open_output_stream",
+    "process_rss_bytes",
+]
+
 logger = logging.getLogger(__name__)
 
-OUTPUT_POLL_TIMEOUT_S = 2.0
 # Batches an output stream may run ahead of its reader; beyond that it waits, and later steps merge into one batch.
 OUTPUT_STREAM_AHEAD = 2
 # An ingress with requests here reads (or polls) at least every OUTPUT_POLL_TIMEOUT_S; silent this long, it is gone:
 # abort its requests.
 REQUEST_LEASE_S = 15.0
-# Every live ingress pings on Serve's health check (every 10 s); silent this long, it no longer counts as attached.
-CLIENT_LEASE_S = 60.0
-# How long an abort that arrived before its request is remembered (Ray may run an async actor's calls out of order).
-EARLY_ABORT_MEMORY_S = 120.0
 
 
 def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -69,49 +73,6 @@ def process_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class StreamIntervalBuffer:
-    """Holds each completion's new tokens until `interval` of them are due; its first token and its finishing
-    output go out at once. With an interval of 1 every output passes straight through."""
-
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.held: dict[tuple[str, int], EngineOutput] = {}
-        self.started: set[tuple[str, int]] = set()
-
-    def __len__(self) -> int:
-        return len(self.held) + len(self.started)
-
-    def push(self, output: EngineOutput) -> EngineOutput | None:
-        """The output to hand on now (the held tokens merged in front), or None while it is held."""
-        if self.interval == 1:
-            return output
-        key = (output.request_id, output.index)
-        held = self.held.pop(key, None)
-        if held is not None:
-            held.extend(output)
-            output = held
-        if output.finish_reason is not None:
-            self.started.discard(key)
-            return output
-        if key not in self.started:
-            self.started.add(key)  # the first token is never held: time to first token stays as it is
-            return output
-        if len(output.new_token_ids) >= self.interval:
-            return output
-        self.held[key] = output if held is not None else output.copy()
-        return None
-
-    def drop(self, request_id: str, index: int) -> None:
-        """Forget a completion ended downstream (a stop string): what it held is past its end."""
-        self.held.pop((request_id, index), None)
-        self.started.discard((request_id, index))
-
-    def retain(self, live_request_ids: Container[str]) -> None:
-        """Forget every request that is no longer in flight (finished, aborted, failed)."""
-        self.held = {key: output for key, output in self.held.items() if key[0] in live_request_ids}
-        self.started = {key for key in self.started if key[0] in live_request_ids}
-
-
 class EngineActor:
     """Token ids in, token ids out. Wrap with `ray.remote`; every public method is async."""
 
@@ -127,35 +88,22 @@ class EngineActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = config
         self.engine_index = engine_index
-        self.request_lease_s = request_lease_s
-        self.orphan_timeout_s = orphan_timeout_s
-        self.client_seen: dict[str, float] = {}
-        self.last_client_activity = time.monotonic()
-        # Ingresses inside attach, waiting for the engine to start: present, however long the start takes.
-        self.num_attaching = 0
-        self.terminating = False
-        self.reaper_task: asyncio.Task | None = None
-        self.early_aborts: dict[str, float] = {}
-        # Kept apart from client_failures, which a new add_request clears: only the client's next poll may.
-        self.client_lease_failures: dict[str, tuple[str, float]] = {}
-        self.draining = False
+        self.clients = ClientRegistry(request_lease_s, orphan_timeout_s)
+        self.router = OutputRouter(self.clients, config.stream_interval, self._ensure_running, self._raise_if_dead)
         self.core: EngineCore | None = None
         self.start_task: asyncio.Task | None = None
-        self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
-        self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        # The one live output stream of each client (a newer one supersedes it).
-        self.client_streams: dict[str, object] = {}
-        self.request_client: dict[str, str] = {}
-        self.new_work = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
-        self.dead_reason: str | None = None
-        self.client_failures: dict[str, str] = {}
+        self.watcher_task: asyncio.Task | None = None
         self.rebuild_task: asyncio.Task | None = None
+        self.output_server_task: asyncio.Task | None = None
+        self.new_work = asyncio.Event()
+        self.dead_reason: str | None = None
+        self.draining = False
+        self.terminating = False
         self.num_rebuilds = 0
         self.num_steps = 0
-        self.stream_buffer = StreamIntervalBuffer(config.stream_interval)
-        self.output_server_task: asyncio.Task | None = None
-        self.output_secret = os.urandom(SECRET_BYTES)
+
+    # Lifecycle: start, step loop, rebuild, end.
 
     def _build_core(self) -> EngineCore:
         import ray
@@ -181,7 +129,7 @@ class EngineActor:
         core = await asyncio.to_thread(self._build_core)
         if self.config.transport == "socket":
             try:
-                await core.executor.open_step_channels()
+                await core.open_step_channels()
             except BaseException:
                 await asyncio.to_thread(core.shutdown)
                 raise
@@ -195,321 +143,23 @@ class EngineActor:
             raise
         freeze_startup_heap("scheduler actor")
 
+    async def _ensure_running(self) -> None:
+        """The engine started and its step loop running (what a reader waits for)."""
+        await self._started()
+        self._ensure_loop()
+
     def _ensure_loop(self) -> None:
         if self.loop_task is None or self.loop_task.done():
             self.loop_task = background_task(self._run_steps())
         self._ensure_watcher()
 
     def _ensure_watcher(self) -> None:
-        if self.reaper_task is None or self.reaper_task.done():
-            self.reaper_task = background_task(self._watch_clients())
-
-    def _touch(self, client_id: str) -> None:
-        self.client_seen[client_id] = self.last_client_activity = time.monotonic()
-
-    def _forget_client(self, client_id: str, failure: str | None = None) -> list[str]:
-        """Drop a client and abort its requests (nobody reads them any more); returns their ids. With `failure`,
-        a client that polls again after all learns its requests were ended, instead of waiting for them."""
-        request_ids = [request_id for request_id, owner in self.request_client.items() if owner == client_id]
-        if request_ids and self.core is not None:
-            self.core.abort_request(request_ids)
-        for request_id in request_ids:
-            self.request_client.pop(request_id, None)
-        self.stream_buffer.retain(self.request_client)
-        for table in (self.client_seen, self.client_outputs, self.client_events, self.client_failures):
-            table.pop(client_id, None)
-        if failure is not None:
-            self.client_lease_failures[client_id] = (failure, time.monotonic())
-        return request_ids
-
-    async def _watch_clients(self) -> None:
-        """Abort the requests of an ingress that stopped reading its outputs (it died), forget ingresses gone
-        quiet, and end this engine when no ingress is left at all."""
-        period = min(self.request_lease_s, self.orphan_timeout_s or self.request_lease_s) / 4
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            polling = set(self.request_client.values())
-            for client_id, seen in list(self.client_seen.items()):
-                if client_id in polling and seen < now - self.request_lease_s:
-                    failure = (
-                        f"the ingress did not read its outputs for {self.request_lease_s:.0f} s; "
-                        "its requests were aborted"
-                    )
-                    request_ids = self._forget_client(client_id, failure)
-                    logger.warning("ingress %s went silent: aborted its %d requests", client_id, len(request_ids))
-                elif seen < now - CLIENT_LEASE_S:
-                    self._forget_client(client_id)
-            for client_id, (_, since) in list(self.client_lease_failures.items()):
-                if since < now - CLIENT_LEASE_S:
-                    del self.client_lease_failures[client_id]  # that ingress is gone for good
-            silent_s = now - self.last_client_activity
-            if self.orphan_timeout_s is not None and not self.num_attaching and silent_s > self.orphan_timeout_s:
-                logger.warning("no ingress for %.0f s: this engine ends itself", self.orphan_timeout_s)
-                await self._terminate()
-                return
-
-    async def _terminate(self) -> None:
-        """Release the workers and placement group, then end this actor (its name frees for a new one)."""
-        import ray
-
-        self.terminating = True
-        await self.shutdown()
-        ray.kill(ray.get_runtime_context().current_actor)
-
-    async def attach(self, client_id: str) -> dict[str, Any]:
-        """An ingress replica starts using this engine: engine_info plus the config this engine runs. Raises
-        EngineDrainingError when this engine is ending (create a new one once it is gone)."""
-        if self.terminating:
-            raise EngineDrainingError("this engine is ending: its last ingress left")
-        self._touch(client_id)
-        self._ensure_watcher()
-        self.num_attaching += 1
-        try:
-            info = await self.engine_info()
-        finally:
-            self.num_attaching -= 1
-            self._touch(client_id)
-        return {**info, "engine_config": self.config.model_dump()}
-
-    async def detach(self, client_id: str) -> int:
-        """An ingress replica stops (gracefully): forget it. The last one to leave a shared engine ends it.
-        Returns how many ingresses remain."""
-        self._forget_client(client_id)
-        remaining = len(self.client_seen)
-        if not remaining and self.orphan_timeout_s is not None and not self.terminating:
-            logger.info("the last ingress detached: this engine ends itself")
-            self.terminating = True
-            background_task(self._terminate())
-        return remaining
+        if self.watcher_task is None or self.watcher_task.done():
+            self.watcher_task = background_task(self.clients.watch(self._forget_client, self._terminate))
 
     def _raise_if_dead(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-
-    async def engine_info(self) -> dict[str, Any]:
-        """What an ingress needs to validate requests the way the engine will."""
-        await self._started()
-        info = self.core.model_info
-        return {
-            "max_model_len": info.max_model_len,
-            "vocab_size": info.vocab_size,
-            "num_kv_blocks": self.core.executor.num_kv_blocks,
-            "block_size": self.config.block_size,
-        }
-
-    async def add_request(
-        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
-        """Raises ValueError on bad input (nothing is queued), EngineOverloadedError when the waiting queue is
-        full, EngineDeadError once the engine is down and EngineDrainingError while the server shuts down."""
-        (refusal,) = await self.add_requests(client_id, [(request_id, prompt_token_ids, params)])
-        if refusal is not None:
-            raise refusal
-
-    async def add_requests(
-        self, client_id: str, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
-    ) -> list[Exception | None]:
-        """Queue (request_id, prompt_token_ids, params) in order; one Ray call for a burst of arrivals. Returns,
-        per request, None or why it was refused (ValueError: bad input; EngineOverloadedError: queue full);
-        raises EngineDeadError / EngineDrainingError for all of them."""
-        if self.draining:
-            raise EngineDrainingError("the server is shutting down and takes no new requests")
-        await self._started()
-        self._raise_if_dead()
-        self._ensure_loop()
-        self._touch(client_id)
-        refusals = [self._admit(client_id, *request) for request in requests]
-        self.new_work.set()
-        return refusals
-
-    def _admit(
-        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> Exception | None:
-        """Queue one request in the core; returns why it was refused, if it was."""
-        if self.early_aborts.pop(request_id, None) is not None:
-            return None  # its abort overtook it: the client is gone already
-        try:
-            self.core.add_request(request_id, prompt_token_ids, params)
-        except (ValueError, EngineOverloadedError) as refusal:
-            return refusal
-        # Requests of this client from before a rebuild were already failed, however its pump learnt it.
-        self.client_failures.pop(client_id, None)
-        self.request_client[request_id] = client_id
-        return None
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        """Stop requests and free their blocks. An async actor may run this before the add_request it follows:
-        an unknown id is remembered for a while, and that request is dropped when it arrives."""
-        await self._started()
-        now = time.monotonic()
-        for request_id in request_ids:
-            if request_id not in self.core.children:
-                self.early_aborts[request_id] = now
-        if len(self.early_aborts) > 1024:
-            self.early_aborts = {
-                request_id: when for request_id, when in self.early_aborts.items() if when > now - EARLY_ABORT_MEMORY_S
-            }
-        self.core.abort_request(request_ids)
-        for request_id in request_ids:
-            self.request_client.pop(request_id, None)
-        self.stream_buffer.retain(self.request_client)
-
-    async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
-        await self._started()
-        self.core.stop_completion(request_id, index, stop_string)
-        self.stream_buffer.drop(request_id, index)
-        if request_id not in self.core.children:
-            self.request_client.pop(request_id, None)
-
-    async def get_outputs(self, client_id: str) -> list[EngineOutput]:
-        """Everything produced for this client's requests since its last call; waits briefly when empty."""
-        await self._await_outputs(client_id)
-        return self._take_outputs(client_id)
-
-    async def _await_outputs(self, client_id: str) -> None:
-        """The client is alive (lease renewed); raises its pending failure, else waits up to OUTPUT_POLL_TIMEOUT_S
-        for outputs."""
-        self._touch(client_id)
-        failure = self.client_failures.pop(client_id, None)
-        if failure is None and client_id in self.client_lease_failures:
-            failure = self.client_lease_failures.pop(client_id)[0]
-        if failure is not None:
-            raise EngineDeadError(failure)
-        await self._started()
-        self._ensure_loop()
-        if not self.client_outputs.get(client_id):
-            self._raise_if_dead()
-            # asyncio.timeout, not wait_for: this runs once per step per client, and wait_for wraps it in a task.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(OUTPUT_POLL_TIMEOUT_S):
-                    await self.client_events[client_id].wait()
-
-    def _take_outputs(self, client_id: str) -> list[EngineOutput]:
-        self.client_events[client_id].clear()
-        outputs = self.client_outputs.pop(client_id, [])
-        if not outputs:
-            self._raise_if_dead()
-        return outputs
-
-    async def stream_outputs(self, client_id: str) -> AsyncIterator[list[EngineOutput]]:
-        """get_outputs as a stream (call with num_returns="streaming"): one Ray message per batch instead of a call
-        and its reply. Each batch holds everything new since the last; an empty one every OUTPUT_POLL_TIMEOUT_S
-        while the client's requests produce nothing. Open it with `open_output_stream`: a reader that lags (its
-        backpressure) holds the stream at its yield (no lease renewal meanwhile) while later steps pile up into one
-        batch. Ends once this client has nothing in flight and nothing undelivered, or a newer stream of the same
-        client started; raises what get_outputs raises."""
-        stream = object()
-        self.client_streams[client_id] = stream
-        try:
-            while self.client_outputs.get(client_id) or self._client_in_flight(client_id):
-                await self._await_outputs(client_id)
-                if self.client_streams.get(client_id) is not stream:
-                    return  # superseded: what came is the newer stream's
-                yield self._take_outputs(client_id)
-        finally:
-            if self.client_streams.get(client_id) is stream:
-                del self.client_streams[client_id]
-
-    async def open_output_channel(self) -> tuple[str, int, bytes]:
-        """Where an ingress connects to read its outputs over a socket instead of `stream_outputs` (see
-        executor.output_channel): (host, port, secret)."""
-        if self.output_server_task is None:
-            self.output_server_task = background_task(self._start_output_server())
-        server = await asyncio.shield(self.output_server_task)
-        host, port = server.sockets[0].getsockname()[:2]
-        return host, port, self.output_secret
-
-    async def _start_output_server(self) -> asyncio.Server:
-        import ray
-
-        return await asyncio.start_server(self._serve_output_connection, ray.util.get_node_ip_address(), 0)
-
-    async def _serve_output_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client_id = await accept_client(reader, self.output_secret)
-        if client_id is None:
-            logger.warning("output channel refused a connection without the secret")
-            writer.close()
-            return
-        connection = object()
-        self.client_streams[client_id] = connection  # supersedes any older stream or connection of this client
-        try:
-            await send_outputs(
-                writer,
-                lambda: self._await_outputs(client_id),
-                lambda: self._take_outputs(client_id),
-                lambda: self.client_streams.get(client_id) is not connection,
-            )
-        finally:
-            if self.client_streams.get(client_id) is connection:
-                del self.client_streams[client_id]
-
-    def _client_in_flight(self, client_id: str) -> bool:
-        """Requests of this client still running, or a failure it has not been told of yet."""
-        failed = client_id in self.client_failures or client_id in self.client_lease_failures
-        return failed or client_id in self.request_client.values()
-
-    async def check_health(self) -> None:
-        """Raises while the engine is down or draining; a worker found dead here starts the rebuild."""
-        if self.draining:
-            raise EngineDrainingError("the server is shutting down")
-        core = await self._started()
-        try:
-            await core.executor.check_health_async()
-        except EngineDeadError as error:
-            if self.core is core and not self._rebuilding():
-                logger.error("health check found a dead worker: %s; rebuilding the engine", error)
-                if self.loop_task is not None:
-                    self.loop_task.cancel()
-                self._start_rebuild(short_reason(error))
-            raise
-
-    async def stats(self) -> dict[str, Any]:
-        await self._started()
-        scheduler = self.core.scheduler
-        kv_cache = scheduler.kv_cache
-        return {
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "num_free_blocks": kv_cache.num_free_blocks,
-            "num_kv_blocks": kv_cache.pool.num_blocks,
-            "kv_cache_usage": kv_cache.usage,
-            "num_preemptions": scheduler.num_preemptions,
-            "prefix_cache_queries": kv_cache.prefix_cache_queries,
-            "prefix_cache_hits": kv_cache.prefix_cache_hits,
-            "num_steps": self.num_steps,
-            "num_steps_planned_ahead": self.core.num_steps_planned_ahead,
-            "num_rebuilds": self.num_rebuilds,
-            "num_clients": len(self.client_seen),
-            "draining": self.draining,
-            "rss_bytes": process_rss_bytes(),
-            # Per-request bookkeeping, all zero when idle (leak checks).
-            "num_tracked_requests": len(self.request_client) + len(self.core.children) + len(self.stream_buffer),
-            "num_undelivered_outputs": sum(map(len, self.client_outputs.values())),
-            "num_early_aborts": len(self.early_aborts),
-        }
-
-    async def metrics_text(self) -> bytes:
-        """Prometheus exposition of this engine's metrics, gauges read now."""
-        await self._started()
-        self.core.metrics.update_from_scheduler(self.core.scheduler)
-        return self.core.metrics.exposition()
-
-    async def worker_handles(self) -> list[Any]:
-        """The model worker actors, for operators (and fault-injection tests)."""
-        await self._started()
-        return list(self.core.executor.workers)
-
-    async def topology(self) -> dict[str, Any]:
-        """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
-        await self._started()
-        workers = await asyncio.gather(*[worker.identity.remote() for worker in self.core.executor.workers])
-        placement_group = self.core.executor.placement_group
-        return {
-            "engine_pid": os.getpid(),
-            "workers": list(workers),
-            "placement_group_id": placement_group.id.hex() if placement_group is not None else None,
-        }
 
     async def _run_steps(self) -> None:
         """Plan, start, collect. With async scheduling the next step is planned and queued on the workers before
@@ -518,16 +168,16 @@ class EngineActor:
         depth = 2 if self.config.uses_async_scheduling() else 1
         while True:
             has_work = core.has_unfinished_requests()
-            if not has_work and not core.steps_in_flight:
+            if not has_work and not core.num_steps_in_flight:
                 self.new_work.clear()
                 await self.new_work.wait()
                 continue
             try:
-                submitted = has_work and len(core.steps_in_flight) < depth and core.submit_step()
-                if len(core.steps_in_flight) < depth and submitted:
+                submitted = has_work and core.num_steps_in_flight < depth and core.submit_step()
+                if core.num_steps_in_flight < depth and submitted:
                     continue
                 outputs = await core.finish_oldest_step()
-                if not core.steps_in_flight and core.has_unfinished_requests():
+                if not core.num_steps_in_flight and core.has_unfinished_requests():
                     # The workers are idle (a step with drafts, or no async scheduling): the next step goes before
                     # these outputs are handed on.
                     core.submit_step()
@@ -538,22 +188,11 @@ class EngineActor:
                     self._start_rebuild(f"engine step failed: {short_reason(error)}")
                 return
             self.num_steps += 1
-            finished_request_ids = set()
-            for output in outputs:
-                client_id = self.request_client.get(output.request_id)
-                if client_id is None:
-                    continue
-                output = self.stream_buffer.push(output)
-                if output is None:
-                    continue
-                self.client_outputs[client_id].append(output)
-                self.client_events[client_id].set()
-                if output.finish_reason is not None:
-                    finished_request_ids.add(output.request_id)
+            finished_request_ids = self.router.deliver(outputs)
             # Forget a request's client only after the whole step: its n completions may finish together.
-            for request_id in finished_request_ids:
-                if request_id not in self.core.children:
-                    self.request_client.pop(request_id, None)
+            self.clients.forget_requests(
+                request_id for request_id in finished_request_ids if not core.has_request(request_id)
+            )
             # Yield so queued add_request / abort calls land between steps.
             await asyncio.sleep(0)
 
@@ -561,23 +200,10 @@ class EngineActor:
         return self.rebuild_task is not None and not self.rebuild_task.done()
 
     def _start_rebuild(self, reason: str) -> None:
-        self._fail_in_flight(reason)
-        self.rebuild_task = background_task(self._rebuild())
-
-    def _fail_in_flight(self, reason: str) -> None:
-        """The engine is down: every client with requests in flight learns it from its next get_outputs."""
+        """The engine is down: every client with requests in flight learns it from its next read."""
         self.dead_reason = reason
-        self._fail_clients(reason)
-
-    def _fail_clients(self, reason: str) -> None:
-        """Every client with requests in flight gets one EngineDeadError(reason) from its next get_outputs."""
-        for client_id in set(self.request_client.values()):
-            self.client_failures[client_id] = reason
-            self.client_outputs.pop(client_id, None)
-        self.request_client.clear()
-        self.stream_buffer.retain(self.request_client)
-        for event in self.client_events.values():
-            event.set()
+        self.router.fail(self.clients.release_all_requests(), reason)
+        self.rebuild_task = background_task(self._rebuild())
 
     async def _rebuild(self) -> None:
         """Replace the failed workers, placement group and scheduler state; serve again when done."""
@@ -601,11 +227,204 @@ class EngineActor:
         self.dead_reason = None
         logger.info("engine rebuilt (%d so far); serving again", self.num_rebuilds)
 
+    async def _terminate(self) -> None:
+        """Release the workers and placement group, then end this actor (its name frees for a new one)."""
+        import ray
+
+        self.terminating = True
+        await self.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor)
+
+    # Clients: attach, detach, and their leases.
+
+    def _forget_client(self, client_id: str, failure: str | None = None) -> list[str]:
+        """Drop a client and abort its requests (nobody reads them any more); returns their ids. With `failure`,
+        a client that reads again after all learns its requests were ended."""
+        request_ids = self.clients.forget(client_id, failure)
+        if request_ids and self.core is not None:
+            self.core.abort_request(request_ids)
+        self.router.forget_client(client_id)
+        return request_ids
+
+    async def attach(self, client_id: str) -> EngineInfo:
+        """An ingress replica starts using this engine: engine_info plus the config this engine runs. Raises
+        EngineDrainingError when this engine is ending (create a new one once it is gone)."""
+        if self.terminating:
+            raise EngineDrainingError("this engine is ending: its last ingress left")
+        with self.clients.attaching(client_id):
+            self._ensure_watcher()
+            return await self.engine_info()
+
+    async def detach(self, client_id: str) -> int:
+        """An ingress replica stops (gracefully): forget it. The last one to leave a shared engine ends it.
+        Returns how many ingresses remain."""
+        self._forget_client(client_id)
+        remaining = self.clients.num_clients
+        if not remaining and self.clients.orphan_timeout_s is not None and not self.terminating:
+            logger.info("the last ingress detached: this engine ends itself")
+            self.terminating = True
+            background_task(self._terminate())
+        return remaining
+
     async def ping(self, client_id: str | None = None) -> bool:
         """Alive (even while rebuilding): what Ray Serve's replica health check asks; keeps the ingress attached."""
         if client_id is not None:
-            self._touch(client_id)
+            self.clients.touch(client_id)
         return True
+
+    # Requests in.
+
+    async def engine_info(self) -> EngineInfo:
+        """What an ingress needs to validate requests the way the engine will."""
+        core = await self._started()
+        return EngineInfo(
+            max_model_len=core.model_info.max_model_len,
+            vocab_size=core.model_info.vocab_size,
+            num_kv_blocks=core.num_kv_blocks,
+            block_size=self.config.block_size,
+            engine_config=self.config,
+        )
+
+    async def add_request(
+        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Raises ValueError on bad input (nothing is queued), EngineOverloadedError when the waiting queue is
+        full, EngineDeadError once the engine is down and EngineDrainingError while the server shuts down."""
+        (refusal,) = await self.add_requests(client_id, [(request_id, prompt_token_ids, params)])
+        if refusal is not None:
+            raise refusal
+
+    async def add_requests(
+        self, client_id: str, requests: Sequence[tuple[str, Sequence[int], SamplingParams]]
+    ) -> list[Exception | None]:
+        """Queue (request_id, prompt_token_ids, params) in order; one Ray call for a burst of arrivals. Returns,
+        per request, None or why it was refused (ValueError: bad input; EngineOverloadedError: queue full);
+        raises EngineDeadError / EngineDrainingError for all of them."""
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
+        await self._started()
+        self._raise_if_dead()
+        self._ensure_loop()
+        self.clients.touch(client_id)
+        refusals = [self._admit(client_id, *request) for request in requests]
+        self.new_work.set()
+        return refusals
+
+    def _admit(
+        self, client_id: str, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Exception | None:
+        """Queue one request in the core; returns why it was refused, if it was."""
+        if self.clients.take_early_abort(request_id):
+            return None  # its abort overtook it: the client is gone already
+        try:
+            self.core.add_request(request_id, prompt_token_ids, params)
+        except (ValueError, EngineOverloadedError) as refusal:
+            return refusal
+        self.router.clear_failure(client_id)
+        self.clients.add_request(request_id, client_id)
+        return None
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop requests and free their blocks. An async actor may run this before the add_request it follows:
+        an unknown id is remembered for a while, and that request is dropped when it arrives."""
+        core = await self._started()
+        self.clients.remember_early_aborts(request_id for request_id in request_ids if not core.has_request(request_id))
+        core.abort_request(request_ids)
+        self.clients.forget_requests(request_ids)
+        self.router.drop_ended_requests()
+
+    async def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
+        core = await self._started()
+        core.stop_completion(request_id, index, stop_string)
+        self.router.drop_completion(request_id, index)
+        if not core.has_request(request_id):
+            self.clients.forget_requests([request_id])
+
+    # Outputs out.
+
+    async def get_outputs(self, client_id: str) -> list[EngineOutput]:
+        """Everything produced for this client's requests since its last call; waits briefly when empty."""
+        await self.router.wait(client_id)
+        return self.router.take(client_id)
+
+    async def stream_outputs(self, client_id: str) -> AsyncIterator[list[EngineOutput]]:
+        """get_outputs as a stream (call with num_returns="streaming"): one Ray message per batch instead of a call
+        and its reply. Each batch holds everything new since the last; an empty one every OUTPUT_POLL_TIMEOUT_S
+        while the client's requests produce nothing. Open it with `open_output_stream`: a reader that lags (its
+        backpressure) holds the stream at its yield (no lease renewal meanwhile) while later steps pile up into one
+        batch. Ends once this client has nothing in flight and nothing undelivered, or a newer stream of the same
+        client started; raises what get_outputs raises."""
+        async with contextlib.aclosing(self.router.stream(client_id)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def open_output_channel(self) -> tuple[str, int, bytes]:
+        """Where an ingress connects to read its outputs over a socket instead of `stream_outputs` (see
+        executor.output_channel): (host, port, secret)."""
+        if self.output_server_task is None:
+            self.output_server_task = background_task(self.router.start_output_server())
+        server = await asyncio.shield(self.output_server_task)
+        host, port = server.sockets[0].getsockname()[:2]
+        return host, port, self.router.output_secret
+
+    # Health and state.
+
+    async def check_health(self) -> None:
+        """Raises while the engine is down or draining; a worker found dead here starts the rebuild."""
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down")
+        core = await self._started()
+        try:
+            await core.check_health()
+        except EngineDeadError as error:
+            if self.core is core and not self._rebuilding():
+                logger.error("health check found a dead worker: %s; rebuilding the engine", error)
+                if self.loop_task is not None:
+                    self.loop_task.cancel()
+                self._start_rebuild(short_reason(error))
+            raise
+
+    async def stats(self) -> EngineStats:
+        core = await self._started()
+        core_stats = core.stats()
+        return EngineStats(
+            num_running=core_stats.num_running,
+            num_waiting=core_stats.num_waiting,
+            num_free_blocks=core_stats.num_free_blocks,
+            num_kv_blocks=core_stats.num_kv_blocks,
+            kv_cache_usage=core_stats.kv_cache_usage,
+            num_preemptions=core_stats.num_preemptions,
+            prefix_cache_queries=core_stats.prefix_cache_queries,
+            prefix_cache_hits=core_stats.prefix_cache_hits,
+            num_steps=self.num_steps,
+            num_steps_planned_ahead=core_stats.num_steps_planned_ahead,
+            num_rebuilds=self.num_rebuilds,
+            num_clients=self.clients.num_clients,
+            draining=self.draining,
+            rss_bytes=process_rss_bytes(),
+            # Per-request bookkeeping, all zero when idle (leak checks).
+            num_tracked_requests=len(self.clients.request_owner) + core_stats.num_requests + self.router.num_held,
+            num_undelivered_outputs=self.router.num_undelivered,
+            num_early_aborts=len(self.clients.early_aborts),
+        )
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus exposition of this engine's metrics, gauges read now."""
+        core = await self._started()
+        return core.metrics_text()
+
+    async def worker_handles(self) -> list[Any]:
+        """The model worker actors, for operators (and fault-injection tests)."""
+        core = await self._started()
+        return core.worker_handles()
+
+    async def topology(self) -> EngineTopology:
+        """This actor's process and its model workers' (rank, pid): proof the layers really are separate actors."""
+        core = await self._started()
+        workers = await asyncio.gather(*[worker.identity.remote() for worker in core.worker_handles()])
+        return EngineTopology(engine_pid=os.getpid(), workers=list(workers), placement_group_id=core.placement_group_id)
+
+    # Graceful shutdown.
 
     async def drain(self) -> None:
         """Graceful shutdown, step 1: refuse new requests (and fail /health); the ones in flight go on."""
@@ -615,13 +434,12 @@ class EngineActor:
         """Graceful shutdown, step 2 (grace over): end every request in flight with `reason`, free its blocks."""
         if self.core is None:
             return 0
-        request_ids = list(self.core.children)
-        self.core.abort_request(request_ids)
-        self._fail_clients(reason)
-        return len(request_ids)
+        num_failed = self.core.abort_all_requests()
+        self.router.fail(self.clients.release_all_requests(), reason)
+        return num_failed
 
     async def shutdown(self) -> None:
-        for task in (self.loop_task, self.reaper_task):
+        for task in (self.loop_task, self.watcher_task):
             if task is not None:
                 task.cancel()
         if self.output_server_task is not None and self.output_server_task.done():

@@ -49,6 +49,24 @@ class EngineOutput:
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
 
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    """The scheduler's load and KV cache now, and its cumulative counts (the actor's stats and metrics read it)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_kv_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_steps_planned_ahead: int
+    num_requests: int
+
+
 def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
@@ -114,6 +132,18 @@ class EngineCore:
         self.steps_in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
         self.num_steps_planned_ahead = 0  # started while another step was still running
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.executor.num_kv_blocks
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self.steps_in_flight)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether any completion of the request is still queued or running here."""
+        return request_id in self.children
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Validate and queue; raises ValueError and changes nothing on bad input."""
         if request_id in self.children:
@@ -152,6 +182,12 @@ class EngineCore:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for child_id in child_ids:
                 self.sequence_owner.pop(child_id, None)
+
+    def abort_all_requests(self) -> int:
+        """Stop every request now and free its blocks; returns how many there were."""
+        request_ids = list(self.children)
+        self.abort_request(request_ids)
+        return len(request_ids)
 
     def stop_completion(self, request_id: str, index: int, stop_string: str) -> None:
         """A stop string was found downstream (by the detokenizer): finish that completion and free its blocks."""
@@ -249,6 +285,44 @@ class EngineCore:
                 pending.exception()  # retrieved: the failure was already reported by the step that raised
             pending.cancel()
         self.steps_in_flight.clear()
+
+    def stats(self) -> CoreStats:
+        scheduler, kv_cache = self.scheduler, self.scheduler.kv_cache
+        return CoreStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=kv_cache.num_free_blocks,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_usage=kv_cache.usage,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv_cache.prefix_cache_queries,
+            prefix_cache_hits=kv_cache.prefix_cache_hits,
+            num_draft_tokens=scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
+            num_steps_planned_ahead=self.num_steps_planned_ahead,
+            num_requests=len(self.children),
+        )
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition of this engine's metrics, gauges read now."""
+        self.metrics.update(self.stats())
+        return self.metrics.exposition()
+
+    async def open_step_channels(self) -> None:
+        """Send each step to the workers over a socket of their own from now on (call on the step loop's loop)."""
+        await self.executor.open_step_channels()
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when a model worker is gone or does not answer."""
+        await self.executor.check_health_async()
+
+    def worker_handles(self) -> list:
+        """The model worker actors (none when the model runs in this process)."""
+        return self.executor.worker_handles()
+
+    @property
+    def placement_group_id(self) -> str | None:
+        return self.executor.placement_group_id
 
     def shutdown(self) -> None:
         self.executor.shutdown()

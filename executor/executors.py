@@ -44,6 +44,18 @@ class Executor(ABC):
     async def check_health_async(self) -> None:
         self.check_health()
 
+    async def open_step_channels(self) -> None:
+        """Send steps to the workers over sockets of their own from now on, where the workers are actors."""
+        return
+
+    def worker_handles(self) -> list:
+        """The model worker actors; none when the model runs in this process."""
+        return []
+
+    @property
+    def placement_group_id(self) -> str | None:
+        return None
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and their resources."""
@@ -133,6 +145,13 @@ class RayExecutor(Executor):
             await StepChannel.connect(host, port, secret, f"model worker {index}")
             for index, (host, port, secret) in enumerate(addresses)
         ]
+
+    def worker_handles(self) -> list:
+        return list(self.workers)
+
+    @property
+    def placement_group_id(self) -> str | None:
+        return self.placement_group.id.hex() if self.placement_group is not None else None
 
     def _submit(self, plan: StepPlan) -> list:
         import ray

@@ -1,11 +1,16 @@
 """Engine metrics under vLLM's names (and ours), kept in the scheduler actor so they cover every ingress replica.
 
-Gauges are read from the scheduler at scrape time; counters and histograms are fed by the step loop.
+Gauges are read from the scheduler's stats at scrape time; counters and histograms are fed by the step loop.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from executor.engine_core import CoreStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -81,26 +86,25 @@ class EngineMetrics:
             for metric in self._labelled(metrics, **labels):
                 metric.inc(amount)
 
-    def update_from_scheduler(self, scheduler) -> None:
+    def update(self, stats: CoreStats) -> None:
         """Gauges now, and the scheduler's cumulative counts turned into counter increments."""
-        kv_cache = scheduler.kv_cache
         for metrics, value in (
-            (self.running, len(scheduler.running)),
-            (self.waiting, len(scheduler.waiting)),
-            (self.kv_usage, kv_cache.usage),
+            (self.running, stats.num_running),
+            (self.waiting, stats.num_waiting),
+            (self.kv_usage, stats.kv_cache_usage),
         ):
             for metric in self._labelled(metrics):
                 metric.set(value)
-        self.increment(self.preemptions, scheduler.num_preemptions - self._seen_preemptions)
-        self.increment(self.prefix_queries, kv_cache.prefix_cache_queries - self._seen_prefix_queries)
-        self.increment(self.prefix_hits, kv_cache.prefix_cache_hits - self._seen_prefix_hits)
-        self._seen_preemptions = scheduler.num_preemptions
-        self._seen_prefix_queries = kv_cache.prefix_cache_queries
-        self._seen_prefix_hits = kv_cache.prefix_cache_hits
-        self.increment(self.draft_tokens, scheduler.num_draft_tokens - self._seen_draft_tokens)
-        self.increment(self.accepted_tokens, scheduler.num_accepted_draft_tokens - self._seen_accepted_tokens)
-        self._seen_draft_tokens = scheduler.num_draft_tokens
-        self._seen_accepted_tokens = scheduler.num_accepted_draft_tokens
+        self.increment(self.preemptions, stats.num_preemptions - self._seen_preemptions)
+        self.increment(self.prefix_queries, stats.prefix_cache_queries - self._seen_prefix_queries)
+        self.increment(self.prefix_hits, stats.prefix_cache_hits - self._seen_prefix_hits)
+        self.increment(self.draft_tokens, stats.num_draft_tokens - self._seen_draft_tokens)
+        self.increment(self.accepted_tokens, stats.num_accepted_draft_tokens - self._seen_accepted_tokens)
+        self._seen_preemptions = stats.num_preemptions
+        self._seen_prefix_queries = stats.prefix_cache_queries
+        self._seen_prefix_hits = stats.prefix_cache_hits
+        self._seen_draft_tokens = stats.num_draft_tokens
+        self._seen_accepted_tokens = stats.num_accepted_draft_tokens
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from configs.engine_config import EngineConfig
 
 
 @dataclass
@@ -33,3 +36,46 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an ingress needs to validate requests the way the engine will, and the config the engine runs."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    engine_config: EngineConfig
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A scheduler actor's state now: load, KV cache, lifecycle, and per-request bookkeeping (all zero when idle)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_kv_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+    num_steps_planned_ahead: int
+    num_rebuilds: int
+    num_clients: int
+    draining: bool
+    rss_bytes: int
+    num_tracked_requests: int
+    num_undelivered_outputs: int
+    num_early_aborts: int
+
+
+@dataclass(frozen=True)
+class EngineTopology:
+    """The scheduler actor's process and its model workers' identities (rank, pid, node)."""
+
+    engine_pid: int
+    workers: list[dict[str, Any]]
+    placement_group_id: str | None
