@@ -42,8 +42,8 @@ class ComputeThread:
 
     Ray runs a worker's calls on the process's main thread, and the step channel's server is a loop of its own: if
     both ran torch code, libgomp would give each of the two threads a team of OpenMP threads, and with more of its
-    threads than cores it throttles their spin-waits, so every parallel region starts with futex wake-ups (steps
-    15-20% slower, measured offline). On one thread, one team.
+    threads than cores it throttles their spin-waits, so every parallel region starts with futex wake-ups. On one
+    thread, one team.
     """
 
     def __init__(self, name: str):
