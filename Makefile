@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 MODEL ?= smollm2-135m-instruct
 
-.PHONY: setup serve test lint bench-offline soak clean
+.PHONY: setup serve test test-fast lint bench-offline soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(VENV)/.installed
 
 test: setup lint
 	$(BIN)/python -m pytest -q
+
+# The tests that deploy no Serve app, start no process and run no SmolLM2 end to end.
+test-fast: setup lint
+	$(BIN)/python -m pytest -q -m "not serve and not subprocess and not slow"
 
 serve: setup
 	$(BIN)/pagedserve serve --config configs/default.yaml

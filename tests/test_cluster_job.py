@@ -13,9 +13,9 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import free_port, free_ports
+from tests.helpers import free_port, free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.serve, pytest.mark.subprocess]
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]

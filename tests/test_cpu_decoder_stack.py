@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
-from model_executor.models.llama import LlamaForCausalLM
+from model_executor.cpu_decode_stack import CpuDecodeStackLlama as LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
 CPU = torch.device("cpu")

@@ -294,6 +294,7 @@ def test_engine_greedy_tokens_equal_with_cpu_and_torch_backends() -> None:
     assert outputs["cpu"] == outputs["torch"]
 
 
+@pytest.mark.subprocess
 def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
     assert get_attention_backend("auto", CPU, 4, 2, 16).name == "cpu"
     script = (
@@ -313,6 +314,7 @@ def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
 LOAD_SCRIPT = "from cuda_ext.cpu_ops import load_cpu_ops\nassert load_cpu_ops() is not None\n"
 
 
+@pytest.mark.subprocess
 def test_a_lock_left_by_a_killed_build_does_not_block_loading() -> None:
     """torch's lock file outlives a killed build, and torch alone would wait on it forever."""
     load_cpu_ops()  # built and cached, so the loader below only has to get past the lock
@@ -323,6 +325,7 @@ def test_a_lock_left_by_a_killed_build_does_not_block_loading() -> None:
     assert not torch_lock.exists()
 
 
+@pytest.mark.subprocess
 def test_a_second_loader_waits_for_a_running_build_then_loads() -> None:
     load_cpu_ops()
     with open(build_directory().with_suffix(".flock"), "a") as lock_file:
@@ -337,6 +340,7 @@ def test_a_second_loader_waits_for_a_running_build_then_loads() -> None:
     assert loader.returncode == 0, stderr
 
 
+@pytest.mark.subprocess
 def test_a_second_checkout_loads_the_built_kernels_without_rebuilding(tmp_path: Path) -> None:
     """A `ray job submit` working dir is a copy of the project at another path; it must not rebuild."""
     load_cpu_ops()
@@ -395,6 +399,7 @@ def test_panel_kernel_matches_torch_at_any_shape(rows: int, columns: int, num_to
         ops.panel_linear(out.double(), x.double(), panels)
 
 
+@pytest.mark.subprocess
 def test_linear_results_do_not_depend_on_which_thread_takes_which_claim() -> None:
     """Each pool thread takes claims of its share and then of the others': with a core kept busy by another process
     the threads fall out of step and take each other's claims, and every output must still come out bit for bit."""

@@ -1,7 +1,6 @@
 """The engine on a CUDA GPU (compiled Triton kernels, decode CUDA graphs) against HF transformers on the same GPU.
 
-CPU runs skip this module: it needs CUDA and compiled Triton kernels (not TRITON_INTERPRET=1). Triton is imported
-inside the tests, so that test_triton_attention can still set the interpreter up for this process on CPU.
+CPU runs skip this module: it needs CUDA and compiled Triton kernels (not TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import HFReference, assert_no_leaked_blocks
+from tests.helpers import HFReference, assert_no_leaked_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available on this machine")
 

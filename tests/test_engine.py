@@ -7,7 +7,7 @@ import math
 import pytest
 
 from configs.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.helpers import assert_no_leaked_blocks
 from tests.test_parity import random_prompts
 
 
@@ -112,6 +112,7 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     assert stopped.stop_reason == stop_token
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_text(smollm2_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["Paris"])
     completion = smollm2_llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]

@@ -61,7 +61,7 @@ def test_bad_request_raises_value_error_and_queues_nothing(engine):
     with pytest.raises(ValueError, match="out of the vocabulary"):
         ray.get(engine.add_request.remote("client-a", "bad", [10**6], SamplingParams()))
     stats = ray.get(engine.stats.remote())
-    assert stats["num_waiting"] == 0 and stats["num_running"] == 0
+    assert stats.num_waiting == 0 and stats.num_running == 0
 
 
 def test_dead_worker_fails_requests_fast_and_health_says_so(engine):
@@ -69,7 +69,7 @@ def test_dead_worker_fails_requests_fast_and_health_says_so(engine):
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     ray.get(engine.add_request.remote("client-b", "long", [5, 6, 7], params))
     ray.get(engine.get_outputs.remote("client-b"), timeout=30)
-    (worker_identity,) = ray.get(engine.topology.remote())["workers"]
+    (worker_identity,) = ray.get(engine.topology.remote()).workers
     assert worker_identity["pp_rank"] == 0
     start = time.monotonic()
     ray.kill(_worker_handle(engine))
@@ -130,7 +130,7 @@ def test_start_up_heap_is_frozen_and_a_rebuild_lets_the_failed_engine_go(engine)
     while True:
         assert time.monotonic() < deadline, "no rebuild"
         with contextlib.suppress(ray.exceptions.RayTaskError):  # down until rebuilt
-            if ray.get(engine.stats.remote(), timeout=30)["num_rebuilds"] == 1:
+            if ray.get(engine.stats.remote(), timeout=30).num_rebuilds == 1:
                 break
         time.sleep(0.5)
     assert ray.get(engine.__ray_call__.remote(lambda actor: actor.watched_core() is None), timeout=30)
@@ -152,7 +152,7 @@ def test_a_reader_that_falls_behind_gets_the_piled_up_steps_as_one_output(engine
         while wait_for_finish:
             assert time.monotonic() < deadline, "the request did not finish"
             stats = await engine.stats.remote()
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            if stats.num_running == 0 and stats.num_waiting == 0:
                 break
             await asyncio.sleep(0.05)
         if wait_for_finish:
@@ -189,7 +189,7 @@ def test_merge_outputs_keeps_each_completions_tokens_in_order():
 
 
 def test_stream_interval_buffer_holds_tokens_until_the_interval_and_flushes_first_and_last():
-    from executor.engine_actor import StreamIntervalBuffer
+    from executor.output_router import StreamIntervalBuffer
     from executor.engine_core import EngineOutput
 
     buffer = StreamIntervalBuffer(3)
@@ -245,7 +245,7 @@ def test_stream_interval_sends_tokens_in_chunks_with_the_same_tokens(ray_cluster
         time.sleep(0.3)
         ray.get(chunked.abort.remote(["aborted"]), timeout=30)
         stats = ray.get(chunked.stats.remote(), timeout=30)
-        assert stats["num_tracked_requests"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
+        assert stats.num_tracked_requests == 0 and stats.num_free_blocks == stats.num_kv_blocks
     finally:
         ray.kill(chunked)
 
@@ -286,8 +286,8 @@ def test_async_scheduling_gives_the_same_tokens_as_one_step_at_a_time(ray_cluste
         assert [len(entry.top_logprobs) for entry in pipelined[("logprobs", 0)]["logprobs"]] == [2] * 5
         for actor, pipelines in ((async_engine, True), (sync_engine, False)):
             stats = ray.get(actor.stats.remote(), timeout=30)
-            assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
-            assert (stats["num_steps_planned_ahead"] > stats["num_steps"] / 2) == pipelines
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_kv_blocks
+            assert (stats.num_steps_planned_ahead > stats.num_steps / 2) == pipelines
     finally:
         ray.kill(sync_engine)  # the async one is the fixture's
 
@@ -325,7 +325,7 @@ def test_output_stream_carries_every_token_and_ends_when_nothing_is_left(engine)
     assert num_batches < 3 * 8 / 2  # a batch holds every request's tokens of a step
     # The other client's request is still there for its own reader, whole.
     assert sum(len(output.new_token_ids) for output in collect_all(engine, "client-other", {"o0"})) == 8
-    assert ray.get(engine.stats.remote())["num_tracked_requests"] == 0
+    assert ray.get(engine.stats.remote()).num_tracked_requests == 0
 
 
 def collect_all(engine, client_id: str, request_ids: set[str]) -> list:
@@ -390,4 +390,4 @@ def test_a_burst_of_requests_is_queued_in_one_call_and_a_bad_one_is_refused_alon
     result = collect(engine, "client-burst", {"b0", "b1"})
     assert {request_id: len(ids) for request_id, ids in result["tokens"].items()} == {"b0": 6, "b1": 6}
     stats = ray.get(engine.stats.remote())
-    assert stats["num_tracked_requests"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_tracked_requests == 0 and stats.num_free_blocks == stats.num_kv_blocks

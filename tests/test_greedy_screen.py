@@ -74,6 +74,7 @@ def test_modes_pick_where_the_screen_runs():
     assert (GreedyScreen.build(weight, OPS, "auto") is not None) == cpu_has_bf16_dot_products()
 
 
+@pytest.mark.slow
 def test_the_bound_holds_on_this_machine_for_smollm2_head(smollm2_llm):
     weight = smollm2_llm.engine.core.executor.worker.runner.model.lm_head.weight
     assert GreedyScreen(weight, OPS).bound_holds()

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,9 @@ import httpx
 import pytest
 
 from configs.app_config import AppConfig
-from serve_app.app import build_app
-from tests.conftest import ray_actors, rss_mib
+from tests.helpers import ray_actors, rss_mib
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.serve
 
 APP = "hostile"
 CONFIG = AppConfig.model_validate(
@@ -39,12 +38,8 @@ FAST_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def base(serve_port: int) -> str:
-    from ray import serve
-
-    serve.run(build_app(CONFIG), name=APP, route_prefix=f"/{APP}")
-    yield f"http://127.0.0.1:{serve_port}/{APP}"
-    serve.delete(APP)
+def base(deploy_module_app) -> str:
+    return deploy_module_app(CONFIG)
 
 
 @pytest.fixture(scope="module")

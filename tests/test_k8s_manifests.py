@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from configs.app_config import AppConfig
-from tests.conftest import free_ports
+from tests.helpers import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -553,7 +553,8 @@ def application_status(head: LocalRayHead, app_name: str) -> tuple[str, str]:
     return status.get("status", "NOT_STARTED"), result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.serve
+@pytest.mark.subprocess
 def test_serve_config_deploys_with_the_serve_cli(local_ray_head: LocalRayHead) -> None:
     from model_executor.tiny_model import TINY_ALIAS
 

@@ -20,9 +20,8 @@ import pytest
 from openai import OpenAI
 
 from configs.app_config import AppConfig
-from tests.conftest import deployed_app
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.serve
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -77,10 +76,9 @@ EXTRA_FIELDS = frozenset(
 
 
 @pytest.fixture(scope="module")
-def root(serve_port: int) -> Iterator[str]:
+def root(deploy_module_app) -> str:
     """http://127.0.0.1:<port>/conf: the app's root (tokenize, health, metrics, version live here)."""
-    with deployed_app(CONFIG, serve_port) as root_url:
-        yield root_url
+    return deploy_module_app(CONFIG)
 
 
 @pytest.fixture(scope="module")

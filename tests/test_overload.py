@@ -13,9 +13,8 @@ import ray
 
 from configs.app_config import AppConfig
 from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
-from tests.conftest import deployed_app
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.serve
 
 CONFIG = AppConfig.model_validate(
     {
@@ -29,9 +28,8 @@ CONFIG = AppConfig.model_validate(
 
 
 @pytest.fixture(scope="module")
-def base(serve_port):
-    with deployed_app(CONFIG, serve_port) as root_url:
-        yield root_url
+def base(deploy_module_app):
+    return deploy_module_app(CONFIG)
 
 
 def wait_until_idle(timeout_s: float = 30) -> dict:
@@ -39,7 +37,7 @@ def wait_until_idle(timeout_s: float = 30) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get(engine.stats.remote())
-        if stats["num_running"] == stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]:
+        if stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks:
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)
@@ -65,8 +63,7 @@ def test_full_queue_is_503_with_retry_after_and_admitted_requests_finish(base):
 
 
 def test_request_over_its_time_limit_is_504_and_freed(base):
-    # Two completions of 1,900 tokens of the tiny model, one after the other (max_num_seqs 1): 1.7 to 3.2 s on the
-    # 2-core VMs seen so far (one alone once took 1.6 s, once under the old 1 s limit), 3x the 0.5 s limit or more.
+    # Two 1,900-token completions of the tiny model, one after the other (max_num_seqs 1): 3x the 0.5 s limit or more.
     body = {"prompt": [5, 6, 7], "max_tokens": 1900, "n": 2, "ignore_eos": True}
     started = time.monotonic()
     response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)

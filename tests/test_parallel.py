@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from configs.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.helpers import assert_no_leaked_blocks
 from tests.test_parity import SMOLLM2_PROMPTS, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from configs.sampling_params import SamplingParams
-from tests.conftest import assert_no_leaked_blocks
+from tests.helpers import assert_no_leaked_blocks
 
 MAX_NEW_TOKENS = 32
 SMOLLM2_PROMPTS = [

@@ -12,9 +12,6 @@ import ray
 from configs.app_config import AppConfig
 from serve_app.engine_router import merge_expositions, prefix_key
 from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
-from tests.conftest import deployed_app
-
-pytestmark = pytest.mark.slow
 
 
 def replica_config(routing: str) -> AppConfig:
@@ -52,32 +49,32 @@ async def send_all(url: str, prompts: list[list[int]]) -> list[dict]:
     return [response.json() for response in responses]
 
 
+@pytest.mark.serve
 @pytest.mark.parametrize("routing", ["least_loaded", "prefix"])
-def test_two_engine_replicas(serve_port, routing):
+def test_two_engine_replicas(deploy_app, routing):
     config = replica_config(routing)
-    with deployed_app(config, serve_port) as base:
-        engines = [
-            ray.get_actor(engine_actor_name(config.serve.app_name, index), namespace=ENGINE_NAMESPACE)
-            for index in range(2)
-        ]
-        pids = {ray.get(engine.topology.remote())["engine_pid"] for engine in engines}
-        assert len(pids) == 2  # two scheduler actors, each with its own workers
-        if routing == "least_loaded":
-            prompts = [[10 + index, 11, 12, 13] for index in range(16)]
-            results = asyncio.run(send_all(f"{base}/v1", prompts))
-            assert all(result["usage"]["completion_tokens"] == 4 for result in results)
-            per_engine = generated_tokens_per_engine(base)
-            assert set(per_engine) == {"0", "1"} and all(tokens > 0 for tokens in per_engine.values())
-            assert sum(per_engine.values()) >= 16 * 4
-        else:
-            shared = list(range(100, 140))  # longer than routing_prefix_tokens
-            owner = str(prefix_key(shared, 32) % 2)
-            prompts = [[*shared, 500 + index] for index in range(8)]
-            results = asyncio.run(send_all(f"{base}/v1", prompts))
-            assert all(result["usage"]["completion_tokens"] == 4 for result in results)
-            per_engine = generated_tokens_per_engine(base)
-            assert per_engine[owner] >= 8 * 4
-            assert per_engine.get(str(1 - int(owner)), 0.0) == 0.0
+    base = deploy_app(config)
+    engines = [
+        ray.get_actor(engine_actor_name(config.serve.app_name, index), namespace=ENGINE_NAMESPACE) for index in range(2)
+    ]
+    pids = {ray.get(engine.topology.remote()).engine_pid for engine in engines}
+    assert len(pids) == 2  # two scheduler actors, each with its own workers
+    if routing == "least_loaded":
+        prompts = [[10 + index, 11, 12, 13] for index in range(16)]
+        results = asyncio.run(send_all(f"{base}/v1", prompts))
+        assert all(result["usage"]["completion_tokens"] == 4 for result in results)
+        per_engine = generated_tokens_per_engine(base)
+        assert set(per_engine) == {"0", "1"} and all(tokens > 0 for tokens in per_engine.values())
+        assert sum(per_engine.values()) >= 16 * 4
+    else:
+        shared = list(range(100, 140))  # longer than routing_prefix_tokens
+        owner = str(prefix_key(shared, 32) % 2)
+        prompts = [[*shared, 500 + index] for index in range(8)]
+        results = asyncio.run(send_all(f"{base}/v1", prompts))
+        assert all(result["usage"]["completion_tokens"] == 4 for result in results)
+        per_engine = generated_tokens_per_engine(base)
+        assert per_engine[owner] >= 8 * 4
+        assert per_engine.get(str(1 - int(owner)), 0.0) == 0.0
 
 
 def test_merge_expositions_keeps_one_header_per_family():

@@ -13,17 +13,17 @@ import ray
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from serve_app.app import build_app
 from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
+from tests.helpers import ray_actors
 from tests.test_parity import SMOLLM2_PROMPTS, random_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 SMOL_APP = AppConfig.model_validate(
     {
         "cache": {"num_kv_blocks": 512},
-        # Planned ahead, as on one CUDA worker (CPU's default is one step at a time, which other modules serve).
+        # Planned ahead: the default with one worker (TP = PP = 1), pinned so this module serves that path.
         "scheduler": {"max_num_seqs": 32, "async_scheduling": True},
         "parallel": {"worker_num_cpus": 1},
         "serve": {"app_name": "smol", "route_prefix": "/smol", "ingress_num_cpus": 0.1},
@@ -31,23 +31,13 @@ SMOL_APP = AppConfig.model_validate(
 )
 
 
-def deploy(config: AppConfig, port: int) -> str:
-    from ray import serve
-
-    serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix)
-    return f"http://127.0.0.1:{port}{config.serve.route_prefix}/v1"
-
-
 def engine_of(config: AppConfig):
     return ray.get_actor(engine_actor_name(config.serve.app_name), namespace=ENGINE_NAMESPACE)
 
 
 @pytest.fixture(scope="module")
-def smol_url(serve_port):
-    from ray import serve
-
-    yield deploy(SMOL_APP, serve_port)
-    serve.delete(SMOL_APP.serve.app_name)
+def smol_url(deploy_module_app):
+    return f"{deploy_module_app(SMOL_APP)}/v1"
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +60,7 @@ def wait_until_idle(config: AppConfig, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get(engine.stats.remote(), timeout=10)
-        if (
-            stats["num_running"] == 0
-            and stats["num_waiting"] == 0
-            and stats["num_free_blocks"] == stats["num_kv_blocks"]
-        ):
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks:
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle after {timeout_s}s: {stats}")
@@ -136,10 +122,10 @@ def test_sixteen_concurrent_streams_all_finish_right(smol_url, offline_greedy):
 
 def test_topology_is_separate_actors(smol_url):
     topology = ray.get(engine_of(SMOL_APP).topology.remote(), timeout=30)
-    worker_pids = {worker["pid"] for worker in topology["workers"]}
-    assert len(topology["workers"]) == 1
-    assert topology["engine_pid"] not in worker_pids
-    assert os.getpid() not in worker_pids | {topology["engine_pid"]}
+    worker_pids = {worker["pid"] for worker in topology.workers}
+    assert len(topology.workers) == 1
+    assert topology.engine_pid not in worker_pids
+    assert os.getpid() not in worker_pids | {topology.engine_pid}
 
 
 def aborted_requests(smol_url: str) -> float:
@@ -165,7 +151,7 @@ def test_disconnect_mid_stream_frees_blocks(smol_url):
                 break  # leaving the block closes the connection mid-stream
     # Serve propagates the disconnect through its proxy; on a loaded 2-core box that can take a while.
     stats = wait_until_idle(SMOL_APP, timeout_s=90)
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_free_blocks == stats.num_kv_blocks
     assert aborted_requests(smol_url) == aborted_before + 1
 
 
@@ -179,10 +165,9 @@ def test_bad_request_is_400_and_server_keeps_serving(client, smol_url):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason == "length"
 
 
-def test_tiny_tp2_pp2_over_http_equals_single_rank(serve_port, tiny_model_dir):
+def test_tiny_tp2_pp2_over_http_equals_single_rank(deploy_app, tiny_model_dir):
     """The tiny preset through Serve on 4 worker actors (TP=2 x PP=2) answers like one rank offline."""
     from openai import OpenAI
-    from ray import serve
 
     from executor import LLM
 
@@ -193,21 +178,16 @@ def test_tiny_tp2_pp2_over_http_equals_single_rank(serve_port, tiny_model_dir):
         for output in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     ]
     config = AppConfig.from_yaml("configs/tiny-tp2-pp2.yaml")
-    url = deploy(config, serve_port)
-    try:
-        client = OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
-        response = client.completions.create(model="tiny-random-llama", prompt=prompts, max_tokens=16, temperature=0)
-        assert [choice.text for choice in sorted(response.choices, key=lambda c: c.index)] == expected
-        topology = ray.get(engine_of(config).topology.remote(), timeout=30)
-        assert sorted((w["pp_rank"], w["tp_rank"]) for w in topology["workers"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-        assert len({w["pid"] for w in topology["workers"]}) == 4
-    finally:
-        serve.delete(config.serve.app_name)
+    client = OpenAI(base_url=f"{deploy_app(config)}/v1", api_key="unused", timeout=120, max_retries=0)
+    response = client.completions.create(model="tiny-random-llama", prompt=prompts, max_tokens=16, temperature=0)
+    assert [choice.text for choice in sorted(response.choices, key=lambda c: c.index)] == expected
+    topology = ray.get(engine_of(config).topology.remote(), timeout=30)
+    assert sorted((w["pp_rank"], w["tp_rank"]) for w in topology.workers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({w["pid"] for w in topology.workers}) == 4
 
 
 def test_the_ingress_replica_froze_its_start_up_heap(smol_url):
     """The tokenizer and Serve's code are out of the cyclic GC's full collections, as in the scheduler actor."""
-    from tests.conftest import ray_actors
 
     def frozen_objects(_actor) -> int:  # nested: travels to the replica by value
         import gc

@@ -14,7 +14,7 @@ from executor.ngram_proposer import propose_ngram_drafts
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.step_plan import StepPlan, StepResult
-from tests.conftest import assert_no_leaked_blocks
+from tests.helpers import assert_no_leaked_blocks
 
 EOS = 2
 BLOCK_SIZE = 4
@@ -285,6 +285,7 @@ def smollm2_speculative():
     return LLM(model="smollm2-135m-instruct", show_progress=False, num_kv_blocks=256, speculative_config=SPECULATIVE)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_with_drafts_equal_hf_transformers(smollm2_speculative, smollm2_dir, hf_reference):
     prompts = [
         "the island of the island of the island of",
@@ -301,6 +302,7 @@ def test_smollm2_greedy_tokens_with_drafts_equal_hf_transformers(smollm2_specula
     assert_no_leaked_blocks(smollm2_speculative)
 
 
+@pytest.mark.slow
 def test_smollm2_logprobs_with_drafts_match_one_token_steps(smollm2_speculative, smollm2_llm):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompt = "the island of the island of the island of"

@@ -5,7 +5,6 @@ engine without drafts, stop strings cut inside a step's tokens, the drafts show 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,7 +12,9 @@ from openai import OpenAI
 
 from configs.app_config import AppConfig
 from configs.sampling_params import SamplingParams
-from tests.conftest import assert_engine_drained, deployed_app
+from tests.helpers import assert_engine_drained
+
+pytestmark = pytest.mark.serve
 
 MODEL = "tiny-speculative"
 PREFIX = "/speculative"
@@ -35,9 +36,8 @@ BIAS = {"77": 100.0, "78": 100.0, "79": 100.0}
 
 
 @pytest.fixture(scope="module")
-def root(serve_port: int) -> Iterator[str]:
-    with deployed_app(CONFIG, serve_port) as url:
-        yield url
+def root(deploy_module_app) -> str:
+    return deploy_module_app(CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_a_killed_worker_fails_the_running_request_fast_on_either_transport(engi
     while True:
         assert time.monotonic() < deadline, "no rebuild"
         with contextlib.suppress(ray.exceptions.RayTaskError):
-            if ray.get(engine.stats.remote(), timeout=30)["num_rebuilds"] == 1:
+            if ray.get(engine.stats.remote(), timeout=30).num_rebuilds == 1:
                 break
         time.sleep(0.5)
     short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

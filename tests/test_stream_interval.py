@@ -3,13 +3,13 @@ token alone), with the same text and usage as a stream of one token per event, a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from openai import OpenAI
 
 from configs.app_config import AppConfig
-from tests.conftest import assert_engine_drained, deployed_app
+from tests.helpers import assert_engine_drained
+
+pytestmark = pytest.mark.serve
 
 MODEL = "tiny-chunked"
 PREFIX = "/chunked"
@@ -26,9 +26,8 @@ CONFIG = AppConfig.model_validate(
 
 
 @pytest.fixture(scope="module")
-def client(serve_port: int) -> Iterator[OpenAI]:
-    with deployed_app(CONFIG, serve_port) as root:
-        yield OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(deploy_module_app) -> OpenAI:
+    return OpenAI(base_url=f"{deploy_module_app(CONFIG)}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tokens_stream_in_chunks_with_the_same_text_and_usage(client: OpenAI):

@@ -1,11 +1,10 @@
 """Triton paged-attention kernels against the torch reference backend, under the Triton CPU interpreter.
 
 Triton decorates every jit function (its own standard library included) once, when it is imported, for the
-interpreter or for the GPU: TRITON_INTERPRET=1 must be set before anything imports triton. So this module
-sets it first thing, but only when that is safe: triton not yet imported by an earlier test module, and no
-CUDA device whose later tests would be slowed to the interpreter. Otherwise the interpreter tests run in a
-child pytest with the variable set (test_interpreter_tests_in_subprocess). Compiled-kernel tests (CUDA) need
-the opposite and skip in an interpreting process.
+interpreter or for the GPU: TRITON_INTERPRET=1 must be set before anything imports triton. tests/conftest.py
+sets it where there is no CUDA device. Where there is one, this process compiles the kernels and the interpreter
+tests run in a child pytest with the variable set (test_interpreter_tests_in_subprocess). Compiled-kernel tests
+(CUDA) need the opposite and skip in an interpreting process.
 
 Tolerances: fp32 atol = rtol = 1e-5 against the torch backend; fp16 2e-3 and bf16 1.6e-2 (about two output
 ulps) against the torch backend in fp32 on the same rounded inputs; the KV-cache write is exact.
@@ -14,40 +13,31 @@ ulps) against the torch backend in fp32 on the same rounded inputs; the KV-cache
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 
-CHILD_ENV = "PAGEDSERVE_TRITON_INTERPRET_CHILD"
-# torch does not import triton; it is imported here only to ask about CUDA.
-IN_PROCESS = os.environ.get(CHILD_ENV) == "1" or ("triton" not in sys.modules and not torch.cuda.is_available())
-if IN_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-from cuda_ext.attention import get_attention_backend  # noqa: E402
-from cuda_ext.attention.base import AttentionBatch  # noqa: E402
-from cuda_ext.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from cuda_ext.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from cuda_ext.cuda_graphs import pad_decode_batch  # noqa: E402
-from cuda_ext.kernels import unified_attention as unified_attention_module  # noqa: E402
-from cuda_ext.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
-from cuda_ext.kernels.unified_attention import make_tile_config, plan_query_tiles  # noqa: E402
+from cuda_ext.attention import get_attention_backend
+from cuda_ext.attention.base import AttentionBatch
+from cuda_ext.attention.torch_backend import TorchAttentionBackend
+from cuda_ext.attention.triton_backend import TritonAttentionBackend
+from cuda_ext.cuda_graphs import pad_decode_batch
+from cuda_ext.kernels import unified_attention as unified_attention_module
+from cuda_ext.kernels.reshape_and_cache import reshape_and_cache
+from cuda_ext.kernels.unified_attention import make_tile_config, plan_query_tiles
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 interpreted = pytest.mark.skipif(
-    not IN_PROCESS or not unified_attention_module.INTERPRETED,
-    reason="triton was imported before TRITON_INTERPRET=1 could be set, or CUDA is present: "
-    "these run in a child process (test_interpreter_tests_in_subprocess)",
+    not unified_attention_module.INTERPRETED,
+    reason="this process compiles Triton kernels: these run in a child process (test_interpreter_tests_in_subprocess)",
 )
 needs_compiled_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or unified_attention_module.INTERPRETED,
@@ -325,6 +315,7 @@ def test_registry_picks_triton_on_cuda_and_torch_on_cpu() -> None:
         get_attention_backend("flash", CPU, 4, 2, 16)
 
 
+@pytest.mark.subprocess
 def test_cpu_use_never_imports_triton() -> None:
     """In a fresh process without the interpreter: auto on CPU never imports triton; triton on CPU says why not."""
     script = (
@@ -346,6 +337,7 @@ def test_cpu_use_never_imports_triton() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.subprocess
 def test_kernels_compile_for_an_nvidia_gpu_without_one() -> None:
     """The interpreter does not check what the GPU compiler does: compile for sm_90 with the bundled ptxas."""
     from triton.backends import backends
@@ -390,10 +382,11 @@ def test_engine_greedy_output_matches_torch_backend() -> None:
     assert all(len(tokens) == 8 for tokens in outputs["torch", "off"])
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the interpreter tests already ran in this process")
+@pytest.mark.subprocess
+@pytest.mark.skipif(unified_attention_module.INTERPRETED, reason="the interpreter tests already ran in this process")
 def test_interpreter_tests_in_subprocess() -> None:
-    """Where this process could not interpret Triton, run this module's interpreter tests in a child."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
+    """Where this process compiles Triton kernels (CUDA), run this module's interpreter tests in a child."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -1,8 +1,7 @@
 """The Triton RMSNorm, rotary and SiLU-and-mul kernels (cuda_ext.kernels.fused_elementwise) against the torch
 references in cuda_ext.fused_ops: under the Triton CPU interpreter on CPU tensors, compiled on CUDA where present.
 
-TRITON_INTERPRET=1 must be set before anything imports triton: this module sets it when triton is not imported yet
-and there is no GPU; otherwise (an earlier module imported triton for the GPU) the CPU checks run in a child pytest.
+TRITON_INTERPRET=1 must be set before anything imports triton: tests/conftest.py sets it where there is no GPU.
 Tolerances: fp32 1e-5; fp16 and bf16 one output ulp (1e-3, 8e-3 relative), since both sides round the same fp32 values
 but may sum a row in a different order. The interpreter truncates fp32 to bf16 where the GPU rounds to nearest, so
 interpreted bf16 gets two ulps and no exact checks.
@@ -10,30 +9,19 @@ interpreted bf16 gets two ulps and no exact checks.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import pytest
 import torch
 
-CHILD_ENV = "PAGEDSERVE_TRITON_FUSED_CHILD"
-if os.environ.get(CHILD_ENV) == "1" or ("triton" not in sys.modules and not torch.cuda.is_available()):
-    os.environ["TRITON_INTERPRET"] = "1"
+from cuda_ext import fused_ops
+from cuda_ext.kernels import fused_elementwise
+from cuda_ext.kernels import unified_attention as unified_attention_module
 
-import pytest  # noqa: E402
-
-from cuda_ext import fused_ops  # noqa: E402
-from cuda_ext.kernels import fused_elementwise  # noqa: E402
-from cuda_ext.kernels import unified_attention as unified_attention_module  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = unified_attention_module.INTERPRETED
 ON_CUDA = torch.cuda.is_available() and not INTERPRETED
-# Interpreted kernels take CPU tensors; compiled ones need the GPU. Neither: the child process checks.
+# Interpreted kernels take CPU tensors; compiled ones need the GPU.
 DEVICE = torch.device("cuda") if ON_CUDA else torch.device("cpu")
 runs_here = pytest.mark.skipif(
-    not (INTERPRETED or ON_CUDA), reason="triton was imported for a GPU this machine lacks: the child process checks"
+    not (INTERPRETED or ON_CUDA), reason="no CUDA GPU, and TRITON_INTERPRET was set to something other than 1"
 )
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2 if INTERPRETED else 8e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -136,12 +124,3 @@ def test_fused_ops_dispatch_cuda_tensors_to_the_triton_kernels() -> None:
     # The Triton path writes in place (the torch reference returns new tensors).
     assert normed.data_ptr() == x.data_ptr() and returned_residual.data_ptr() == residual.data_ptr()
     assert torch.equal(returned_residual, summed)
-
-
-@pytest.mark.skipif(INTERPRETED or ON_CUDA, reason="the checks above already ran in this process")
-def test_interpreter_checks_in_subprocess() -> None:
-    """Where this process imported triton for a GPU it lacks, run this module under the interpreter in a child."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
