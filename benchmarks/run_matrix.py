@@ -140,8 +140,13 @@ class OfflineEngine:
 
         self.config_path = config_path
         engine = AppConfig.from_yaml(config_path).engine_config()
-        settings = engine.model_dump(exclude={"model", "distributed_executor"}, exclude_unset=True)
-        self.llm = LLM(model=MODEL_ID, show_progress=False, **settings)
+        # The serving config's sections, in process (the served engine's Ray workers are not what is measured here).
+        sections = {
+            **engine.engine_sections(),
+            "model": engine.model.model_copy(update={"name": MODEL_ID}),
+            "parallel": engine.parallel.model_copy(update={"distributed_executor": "auto"}),
+        }
+        self.llm = LLM(show_progress=False, **sections)
         self.params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         self.llm.generate(synthetic_prompts(2, 48, 5), self.params, use_tqdm=False)  # warm-up
 

@@ -1,7 +1,19 @@
 """Configuration schema and presets: the leaf package every other package may import."""
 
-from configs.app_config import AppConfig
+from configs.app_config import AppConfig, ServeConfig
 from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
+from configs.sections import CacheConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
-__all__ = ["AppConfig", "EngineConfig", "SamplingParams"]
+__all__ = [
+    "AppConfig",
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RuntimeConfig",
+    "SamplingParams",
+    "SchedulerConfig",
+    "ServeConfig",
+    "SpeculativeConfig",
+]

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(config.model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model_info = load_model_info(model_dir, config)
         self.core = EngineCore(config, model_info, make_executor(config, model_info, show_progress=show_progress))

@@ -89,7 +89,9 @@ class EngineActor:
         self.config = config
         self.engine_index = engine_index
         self.clients = ClientRegistry(request_lease_s, orphan_timeout_s)
-        self.router = OutputRouter(self.clients, config.stream_interval, self._ensure_running, self._raise_if_dead)
+        self.router = OutputRouter(
+            self.clients, config.scheduler.stream_interval, self._ensure_running, self._raise_if_dead
+        )
         self.core: EngineCore | None = None
         self.start_task: asyncio.Task | None = None
         self.loop_task: asyncio.Task | None = None
@@ -110,7 +112,9 @@ class EngineActor:
 
         # The model runs on the workers' nodes, not here: decide CUDA from what the cluster offers.
         cluster_has_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        model_info = load_model_info(resolve_model(self.config.model), self.config, cuda_available=cluster_has_gpus)
+        model_info = load_model_info(
+            resolve_model(self.config.model.name), self.config, cuda_available=cluster_has_gpus
+        )
         return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
 
     async def _started(self) -> EngineCore:
@@ -127,7 +131,7 @@ class EngineActor:
     async def _new_core(self) -> EngineCore:
         """Workers up (in a thread: the event loop keeps answering), then their step channels opened on this loop."""
         core = await asyncio.to_thread(self._build_core)
-        if self.config.transport == "socket":
+        if self.config.runtime.transport == "socket":
             try:
                 await core.open_step_channels()
             except BaseException:
@@ -281,7 +285,7 @@ class EngineActor:
             max_model_len=core.model_info.max_model_len,
             vocab_size=core.model_info.vocab_size,
             num_kv_blocks=core.num_kv_blocks,
-            block_size=self.config.block_size,
+            block_size=self.config.cache.block_size,
             engine_config=self.config,
         )
 

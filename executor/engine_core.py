@@ -105,13 +105,13 @@ def validate_prompt(
 
 def fit_context_to_kv_cache(model_info: ModelInfo, config: EngineConfig, num_kv_blocks: int) -> ModelInfo:
     """Every admitted request must fit the cache alone, or preemption could never make room for it."""
-    capacity = num_kv_blocks * config.block_size
+    capacity = num_kv_blocks * config.cache.block_size
     if model_info.max_model_len <= capacity:
         return model_info
-    if config.max_model_len is not None:
+    if config.model.max_model_len is not None:
         raise ValueError(
-            f"max_model_len {config.max_model_len} is larger than the KV cache can hold ({capacity} tokens in "
-            f"{num_kv_blocks} blocks of {config.block_size}); raise kv_cache_memory_gib or lower max_model_len."
+            f"max_model_len {config.model.max_model_len} is larger than the KV cache can hold ({capacity} tokens in "
+            f"{num_kv_blocks} blocks of {config.cache.block_size}); raise kv_cache_memory_gib or lower max_model_len."
         )
     logger.warning("max_model_len lowered from %d to %d to fit the KV cache", model_info.max_model_len, capacity)
     return dataclasses.replace(model_info, max_model_len=capacity)
@@ -149,10 +149,10 @@ class EngineCore:
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
-        if len(self.scheduler.waiting) + params.n > self.config.max_waiting_requests:
+        if len(self.scheduler.waiting) + params.n > self.config.scheduler.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the engine is overloaded: {len(self.scheduler.waiting)} sequences are waiting "
-                f"(max_waiting_requests {self.config.max_waiting_requests}); retry later"
+                f"(max_waiting_requests {self.config.scheduler.max_waiting_requests}); retry later"
             )
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)

@@ -22,8 +22,8 @@ HEALTH_TIMEOUT_S = 30.0
 
 
 def default_threads_per_worker(config: EngineConfig) -> int:
-    if config.num_threads:
-        return config.num_threads
+    if config.parallel.num_threads:
+        return config.parallel.num_threads
     return max(1, (os.cpu_count() or 1) // config.world_size)
 
 
@@ -67,7 +67,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_info: ModelInfo, show_progress: bool = True):
         self.worker = ModelWorker(model_info, config, 0, 0, default_threads_per_worker(config))
         budget_blocks = self.worker.load_model(show_progress=show_progress)
-        self.num_kv_blocks = config.num_kv_blocks or budget_blocks
+        self.num_kv_blocks = config.cache.num_kv_blocks or budget_blocks
         self.worker.allocate_kv_cache(self.num_kv_blocks)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -91,38 +91,41 @@ class RayExecutor(Executor):
         self.config = config
         self.step_channels: list[StepChannel] = []
         use_gpu = model_info.device == "cuda"
-        bundle = {"CPU": config.worker_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
-        self.placement_group = placement_group([bundle] * config.world_size, strategy=config.placement_strategy)
+        bundle = {"CPU": config.parallel.worker_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
+        self.placement_group = placement_group(
+            [bundle] * config.world_size, strategy=config.parallel.placement_strategy
+        )
         try:
             ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as error:
             ray.util.remove_placement_group(self.placement_group)
             raise RuntimeError(
-                f"could not reserve {config.world_size} worker bundles of {bundle} ({config.placement_strategy}) "
+                f"could not reserve {config.world_size} worker bundles of {bundle} "
+                f"({config.parallel.placement_strategy}) "
                 f"within {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.available_resources()} available"
             ) from error
         threads = default_threads_per_worker(config)
         worker_class = ray.remote(ModelWorker)
         self.workers = []
-        for pp_rank in range(config.pipeline_parallel_size):
-            for tp_rank in range(config.tensor_parallel_size):
-                bundle_index = pp_rank * config.tensor_parallel_size + tp_rank
+        for pp_rank in range(config.parallel.pipeline_parallel_size):
+            for tp_rank in range(config.parallel.tensor_parallel_size):
+                bundle_index = pp_rank * config.parallel.tensor_parallel_size + tp_rank
                 self.workers.append(
                     worker_class.options(
-                        num_cpus=config.worker_num_cpus,
+                        num_cpus=config.parallel.worker_num_cpus,
                         num_gpus=1 if use_gpu else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
                         name=None,
                     ).remote(model_info, config, pp_rank, tp_rank, threads, compute_thread=True)
                 )
         # The last stage's first TP rank samples and returns the step's tokens.
-        self.driver_index = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.driver_index = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
         try:
             if config.world_size > 1:
                 address, port = ray.get(self.workers[0].address_and_free_port.remote())
                 ray.get([worker.init_distributed.remote(address, port) for worker in self.workers])
             budget_blocks = ray.get([worker.load_model.remote() for worker in self.workers])
-            self.num_kv_blocks = config.num_kv_blocks or min(budget_blocks)
+            self.num_kv_blocks = config.cache.num_kv_blocks or min(budget_blocks)
             ray.get([worker.allocate_kv_cache.remote(self.num_kv_blocks) for worker in self.workers])
             ray.get([worker.freeze_startup_heap.remote() for worker in self.workers])
         except Exception:
@@ -131,8 +134,8 @@ class RayExecutor(Executor):
         logger.info(
             "%d model workers up (TP=%d, PP=%d, %d threads each), %d KV blocks",
             config.world_size,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
+            config.parallel.tensor_parallel_size,
+            config.parallel.pipeline_parallel_size,
             threads,
             self.num_kv_blocks,
         )
@@ -231,7 +234,7 @@ class RayExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, model_info: ModelInfo, show_progress: bool = True) -> Executor:
-    kind = config.distributed_executor
+    kind = config.parallel.distributed_executor
     if kind == "auto":
         kind = "uniproc" if config.world_size == 1 else "ray"
     if kind == "uniproc":

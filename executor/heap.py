@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
 import platform
 
 logger = logging.getLogger(__name__)
@@ -26,7 +25,6 @@ M_ARENA_MAX = -8
 KEPT_ALLOCATION_BYTES = 32 << 20
 # Free heap glibc may keep at its top instead of returning it to the kernel.
 KEPT_FREE_HEAP_BYTES = 1 << 30
-KEEP_FREED_MEMORY_ENV = "PAGEDSERVE_KEEP_FREED_MEMORY"
 
 
 def freeze_startup_heap(process: str) -> int:
@@ -43,18 +41,16 @@ def thaw_heap() -> None:
     gc.unfreeze()
 
 
-def keep_freed_memory(single_arena: bool) -> bool:
+def keep_freed_memory(enabled: bool, single_arena: bool) -> bool:
     """Make glibc keep what a model step frees for the next step; returns whether the settings took.
 
     By default glibc serves allocations above a moving threshold with fresh mmaps and hands a heap's free top back
-    to the kernel, so each step's activations came back as new pages: 135,000 page faults a 64-stream run in the
-    offline engine (0.2 s of kernel time), whose throughput fell 3% over five runs in one process; with these
-    settings, under 200 after the first run. `single_arena`: the process's threads share the main heap, for a
-    worker whose steps run on a thread of their own (a thread's own arena frees whole 64 MiB heaps at once,
-    whatever the thresholds). Set it before that thread first allocates. glibc only; off with
-    PAGEDSERVE_KEEP_FREED_MEMORY=0.
+    to the kernel, so each step's activations come back as new pages, page-faulted in again every step.
+    `enabled`: the config's `runtime.keep_freed_memory`. `single_arena`: the process's threads share the main heap,
+    for a worker whose steps run on a thread of their own (a thread's own arena frees whole 64 MiB heaps at once,
+    whatever the thresholds). Set it before that thread first allocates. glibc only.
     """
-    if os.environ.get(KEEP_FREED_MEMORY_ENV) == "0" or platform.libc_ver()[0] != "glibc":
+    if not enabled or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -47,26 +47,27 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, eos_token_ids: Iterable[int]):
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.prioritize_prefill = config.prioritize_prefill
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.prioritize_prefill = config.scheduler.prioritize_prefill
         # One rank samples and is the only one that needs the tokens: it appends them itself.
         self.runner_keeps_sampled_tokens = config.world_size == 1
-        if max_model_len > num_kv_blocks * config.block_size:
+        if max_model_len > num_kv_blocks * config.cache.block_size:
             # A request that outgrew the whole cache could only be preempted, forever.
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the KV cache ({num_kv_blocks} blocks of {config.block_size})"
+                f"max_model_len {max_model_len} exceeds the KV cache "
+                f"({num_kv_blocks} blocks of {config.cache.block_size})"
             )
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Gone since the last plan; the runner is told once, in the next plan.
         self.finished_since_last_plan: list[str] = []
         self.num_preemptions = 0
-        self.speculative = config.speculative_config
+        self.speculative = config.scheduler.speculative_config
         # Drafts proposed and accepted, cumulative (the metrics read them).
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0

@@ -92,12 +92,12 @@ class ModelWorker:
         step channel); in-process, the caller's thread runs them."""
         if not model_info.model_dir.exists():
             # On another node of the cluster: fetch or find the model there.
-            model_info = dataclasses.replace(model_info, model_dir=resolve_model(config.model))
+            model_info = dataclasses.replace(model_info, model_dir=resolve_model(config.model.name))
         self.model_info = model_info
         self.config = config
         self.pp_rank = pp_rank
         self.tp_rank = tp_rank
-        keep_freed_memory(single_arena=compute_thread)
+        keep_freed_memory(self.config.runtime.keep_freed_memory, single_arena=compute_thread)
         self.compute = ComputeThread(f"model-pp{pp_rank}-tp{tp_rank}") if compute_thread else None
         # Ray sets OMP_NUM_THREADS=1 in workers; each worker takes its own share of the cores instead.
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
@@ -117,7 +117,7 @@ class ModelWorker:
         self._on_compute(self._init_distributed, master_address, master_port)
 
     def _init_distributed(self, master_address: str, master_port: int) -> None:
-        tp_size, pp_size = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        tp_size, pp_size = self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size
         backend = "nccl" if self.model_info.device == "cuda" else "gloo"
         rank = self.pp_rank * tp_size + self.tp_rank
         if self.model_info.device == "cuda":
@@ -141,16 +141,18 @@ class ModelWorker:
         parallel = getattr(self, "parallel", None) or ParallelContext()
         self.runner = ModelRunner(
             self.model_info,
-            self.config.block_size,
+            self.config.cache.block_size,
             parallel,
-            attention_backend=self.config.attention_backend,
-            seed=self.config.seed,
+            attention_backend=self.config.runtime.attention_backend,
+            seed=self.config.model.seed,
             show_progress=show_progress,
-            cuda_graphs=self.config.cuda_graphs,
-            greedy_screening=self.config.greedy_screening,
-            cuda_graph_max_batch_size=min(self.config.cuda_graph_max_batch_size, self.config.max_num_seqs),
+            cuda_graphs=self.config.runtime.cuda_graphs,
+            greedy_screening=self.config.runtime.greedy_screening,
+            cuda_graph_max_batch_size=min(
+                self.config.runtime.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs
+            ),
         )
-        return self.runner.num_kv_blocks_for_budget(int(self.config.kv_cache_memory_gib * 2**30))
+        return self.runner.num_kv_blocks_for_budget(int(self.config.cache.kv_cache_memory_gib * 2**30))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._on_compute(self._allocate_kv_cache, num_blocks)
@@ -159,7 +161,7 @@ class ModelWorker:
         self.runner.allocate_kv_cache(num_blocks)
         # Ranks of a parallel group would each need the same dummy plan at once; one rank warms up alone.
         if self.config.world_size == 1:
-            self.runner.warm_up(self.config.max_num_batched_tokens)
+            self.runner.warm_up(self.config.scheduler.max_num_batched_tokens)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._on_compute(self._execute, plan)

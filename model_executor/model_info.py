@@ -69,11 +69,11 @@ def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
 def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    max_model_len = config.max_model_len or model_limit
+    max_model_len = config.model.max_model_len or model_limit
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
-    device = resolve_device(config.device, cuda_available)
-    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    device = resolve_device(config.model.device, cuda_available)
+    dtype_name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return ModelInfo(
         model_dir=Path(model_dir),
         hf_config=hf_config,

@@ -105,7 +105,7 @@ class OpenAIIngress:
         self.model_name = engine_config.model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
         self.clients = [
-            EngineClient(create(), create, engine_config.transport) for create in engine_creators(self.config)
+            EngineClient(create(), create, engine_config.runtime.transport) for create in engine_creators(self.config)
         ]
         self.engine_info = attach_engines(self.clients, engine_config)
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")

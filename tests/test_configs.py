@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from configs.app_config import AppConfig
+from configs.app_config import AppConfig, ServeConfig
+from configs.engine_config import EngineConfig
+from configs.sections import CacheConfig, RuntimeConfig
 
 SERVE_CONFIG = Path("configs/serve.yaml")
 PRESETS = sorted(path for path in Path("configs").glob("*.yaml") if path != SERVE_CONFIG)
@@ -123,3 +128,65 @@ def test_embedded_ray_runs_serve_control_loop_every_half_second_unless_told(tmp_
     env = embedded_ray_env(config, direct_ingress=True)
     assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.2"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "9100"
+
+
+def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every leaf key of a config model as `section.key`, nested sections (speculative_config) spelled out."""
+    keys = []
+    for name, field in model.model_fields.items():
+        nested = [arg for arg in (field.annotation, *typing.get_args(field.annotation)) if _is_section(arg)]
+        if nested:
+            keys += schema_keys(nested[0], f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _is_section(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def test_every_field_is_declared_once_across_the_sections():
+    from configs.engine_config import ENGINE_SECTIONS
+
+    sections = {**ENGINE_SECTIONS, "serve": ServeConfig}
+    assert list(AppConfig.model_fields) == list(sections)
+    names = [name for section in sections.values() for name in section.model_fields]
+    assert len(names) == len(set(names)), sorted(name for name in names if names.count(name) > 1)
+
+
+def test_flat_keyword_arguments_land_in_their_sections():
+    config = EngineConfig(model="some/dir", block_size=32, max_num_seqs=8, tensor_parallel_size=2, transport="ray")
+    assert (config.model.name, config.cache.block_size, config.scheduler.max_num_seqs) == ("some/dir", 32, 8)
+    assert (config.parallel.tensor_parallel_size, config.runtime.transport, config.world_size) == (2, "ray", 2)
+    # Flat keys merge into a nested section given beside them; nested and flat build the same config.
+    assert EngineConfig(cache={"num_kv_blocks": 64}, block_size=8).cache == CacheConfig(num_kv_blocks=64, block_size=8)
+    assert EngineConfig(cache={"block_size": 32}, model={"name": "some/dir"}) == EngineConfig(
+        model="some/dir", block_size=32
+    )
+    with pytest.raises(ValueError, match="blok_size"):
+        EngineConfig(blok_size=32)
+
+
+def test_environment_variables_set_defaults_and_the_config_wins(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setenv("PAGEDSERVE_KEEP_FREED_MEMORY", "0")
+    assert (RuntimeConfig().cpu_kernels, RuntimeConfig().keep_freed_memory) == ("off", False)
+    assert EngineConfig(cpu_kernels="on", keep_freed_memory=True).runtime.cpu_kernels == "on"
+    monkeypatch.delenv("PAGEDSERVE_DISABLE_CPU_KERNELS")
+    monkeypatch.delenv("PAGEDSERVE_KEEP_FREED_MEMORY")
+    assert (RuntimeConfig().cpu_kernels, RuntimeConfig().keep_freed_memory) == ("auto", True)
+
+
+def test_the_served_engine_runs_on_ray_workers_with_the_apps_sections():
+    config = AppConfig.from_yaml("default", max_num_seqs=7)
+    engine = config.engine_config()
+    assert type(engine) is EngineConfig and engine.parallel.distributed_executor == "ray"
+    assert engine.scheduler == config.scheduler and engine.scheduler.max_num_seqs == 7
+
+
+def test_readme_configs_table_lists_exactly_the_schema_keys():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("\n## Configs", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\|\s*`([a-z_]+(?:\.[a-z_]+)+)`", section, flags=re.MULTILINE)
+    assert documented == schema_keys(AppConfig)

@@ -189,8 +189,8 @@ def test_merge_outputs_keeps_each_completions_tokens_in_order():
 
 
 def test_stream_interval_buffer_holds_tokens_until_the_interval_and_flushes_first_and_last():
-    from executor.output_router import StreamIntervalBuffer
     from executor.engine_core import EngineOutput
+    from executor.output_router import StreamIntervalBuffer
 
     buffer = StreamIntervalBuffer(3)
     steps = [

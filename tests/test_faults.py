@@ -243,7 +243,7 @@ def test_an_engine_slower_to_start_than_its_orphan_timeout_still_serves_its_ingr
         started = time.monotonic()
         info = ray.get(actor.attach.remote("ingress"), timeout=120)
         assert time.monotonic() - started > 1.0  # the start really outlasted the orphan timeout
-        assert info.engine_config.num_kv_blocks == 64
+        assert info.engine_config.cache.num_kv_blocks == 64
         parts = {"engine": actor._actor_id.hex(), "workers": []}
         parts["placement_group"] = ray.get(actor.topology.remote(), timeout=30).placement_group_id
         # Once nobody is waiting and nobody polls, it still ends itself.

@@ -7,7 +7,6 @@ process and set by everything that process allocated before.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from configs.engine_config import EngineConfig
 from executor.worker import ModelWorker
 from model_executor.model_info import load_model_info
 
-config = EngineConfig(model=sys.argv[1])
+config = EngineConfig(model=sys.argv[1], keep_freed_memory=sys.argv[2] == "on")
 worker = ModelWorker(load_model_info(sys.argv[1], config, False), config, 0, 0, 1, compute_thread=True)
 
 def steps():
@@ -50,11 +49,9 @@ print(json.dumps(worker.compute.call(steps)))
 
 
 def compute_thread_faults(model_dir: Path, keep_freed_memory: bool) -> list[int]:
-    env = {**os.environ, "PAGEDSERVE_KEEP_FREED_MEMORY": "1" if keep_freed_memory else "0"}
     completed = subprocess.run(
-        [sys.executable, "-c", WORKER_STEPS, str(model_dir)],
+        [sys.executable, "-c", WORKER_STEPS, str(model_dir), "on" if keep_freed_memory else "off"],
         cwd=REPO,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,

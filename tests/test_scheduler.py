@@ -23,7 +23,7 @@ def make_scheduler(num_blocks: int = 256, max_model_len: int | None = None, **co
     """max_model_len defaults to what the cache holds, so one request can always fit on its own."""
     engine_config = EngineConfig(**{"block_size": BLOCK_SIZE, **config})
     if max_model_len is None:
-        max_model_len = num_blocks * engine_config.block_size
+        max_model_len = num_blocks * engine_config.cache.block_size
     return Scheduler(engine_config, num_blocks, max_model_len, eos_token_ids={EOS})
 
 
