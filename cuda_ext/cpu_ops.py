@@ -21,7 +21,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCE_DIRECTORY = Path(__file__).parent / "csrc"
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 EXTENSION_NAME = "pagedserve_cpu_ops"
 # Longest wait for another process's build of the same kernels; a build takes about a minute.
@@ -74,18 +74,44 @@ def build_directory() -> Path:
     return Path(cpp_extension._get_build_directory(build_name(), verbose=False))
 
 
-def staged_source(build_directory: Path) -> Path:
-    """Our source copied to a path inside the build directory, the same for every checkout.
+def source_files() -> list[Path]:
+    """Our C++ sources (one translation unit each) and the headers they share, in a fixed order."""
+    return sorted([*SOURCE_DIRECTORY.glob("*.cpp"), *SOURCE_DIRECTORY.glob("*.h")])
 
-    ninja reruns a build whose command changed, and the command names the source's absolute path: built from
-    each checkout's own file, a second checkout (a `ray job submit` working dir) would rebuild for a minute.
+
+def headers_digest(sources: list[Path]) -> str:
+    """A hash of the headers' names and text, passed to the compiler as a flag.
+
+    torch keys a build on the .cpp files' text and the flags only: with this, an edited header changes every
+    translation unit's build command and rebuilds it.
     """
-    staged = build_directory / "src" / SOURCE.name
-    source_text = SOURCE.read_bytes()
-    # Rewritten only when the text differs: a fresh mtime alone would make ninja rebuild.
-    if not staged.exists() or staged.read_bytes() != source_text:
-        staged.parent.mkdir(parents=True, exist_ok=True)
-        staged.write_bytes(source_text)
+    digest = hashlib.sha256()
+    for path in sources:
+        if path.suffix == ".h":
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def staged_sources(build_directory: Path, sources: list[Path]) -> list[Path]:
+    """Our sources and headers copied to a folder inside the build directory, the same for every checkout.
+
+    ninja reruns a build whose command changed, and the command names each source's absolute path: built from
+    each checkout's own files, a second checkout (a `ray job submit` working dir) would rebuild for a minute.
+    """
+    folder = build_directory / "src"
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for source in sources:
+        target = folder / source.name
+        source_text = source.read_bytes()
+        # Rewritten only when the text differs: a fresh mtime alone would make ninja rebuild.
+        if not target.exists() or target.read_bytes() != source_text:
+            target.write_bytes(source_text)
+        staged.append(target)
+    # A file no longer among our sources (a renamed header) must not be found by an include.
+    for leftover in set(folder.iterdir()) - set(staged):
+        if leftover.is_file():
+            leftover.unlink()
     return staged
 
 
@@ -101,12 +127,21 @@ def load_cpu_ops() -> ModuleType | None:
 
     try:
         directory = build_directory()
+        sources = source_files()
         with exclusive_build(directory):
-            # -march=native: the build runs on (and is cached for) the machine that uses it.
+            staged = staged_sources(directory, sources)
+            # -march=native: the build runs on (and is cached for) the machine that uses it. -fvisibility=hidden:
+            # calls between our translation units bind directly, not through the PLT.
             return cpp_extension.load(
                 name=build_name(),
-                sources=[str(staged_source(directory))],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                sources=[str(path) for path in staged if path.suffix == ".cpp"],
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    "-fvisibility=hidden",
+                    f"-DPAGEDSERVE_HEADERS={headers_digest(sources)}",
+                ],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

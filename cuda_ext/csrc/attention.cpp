@@ -1,0 +1,831 @@
+// Paged attention kernels: decode (one query token per request, a request's heads over threads) and prefill
+// chunks (flash-style over key tiles), both reading the KV blocks in place.
+#include "attention.h"
+
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace pagedserve {
+namespace {
+
+template <typename scalar_t>
+inline float dot_row(const float* query, const scalar_t* key, int64_t head_dim) {
+  float dot = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    dot += query[d] * static_cast<float>(key[d]);
+  }
+  return dot;
+}
+
+template <>
+inline float dot_row<float>(const float* query, const float* key, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dot += query[d] * key[d];
+    }
+    return dot;
+  }
+  Lanes sum = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    sum += load_lanes(query + d) * load_lanes(key + d);
+  }
+  return sum_lanes(sum);
+}
+
+template <typename scalar_t>
+inline void add_scaled_row(float* accumulator, float weight, const scalar_t* value, int64_t head_dim) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    accumulator[d] += weight * static_cast<float>(value[d]);
+  }
+}
+
+template <>
+inline void add_scaled_row<float>(float* accumulator, float weight, const float* value, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      accumulator[d] += weight * value[d];
+    }
+    return;
+  }
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    store_lanes(accumulator + d, load_lanes(accumulator + d) + weight * load_lanes(value + d));
+  }
+}
+
+// row[i] = exp(row[i] - max); returns the sum.
+inline float exp_and_sum(float* row, int64_t count, float max) {
+  float total = 0.f;
+  int64_t i = 0;
+  Lanes sum = {};
+  for (; i + kLanes <= count; i += kLanes) {
+    const Lanes values = exp_lanes(load_lanes(row + i) - max);
+    store_lanes(row + i, values);
+    sum += values;
+  }
+  total = sum_lanes(sum);
+  for (; i < count; ++i) {
+    row[i] = std::exp(row[i] - max);
+    total += row[i];
+  }
+  return total;
+}
+
+// Keys per dot-product tile: their lane sums are folded together, not one horizontal sum per key.
+constexpr int64_t kKeyTile = 8;
+
+// sums[i] = the lanes of partials[i] added, for a tile of kKeyTile partial dot products.
+inline void sum_each_lanes(const Lanes* partials, float* sums) {
+#if defined(__AVX__)
+  __m256 eight[kKeyTile];
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+#if defined(__AVX512F__)
+    const __m512 wide = partials[i];
+    eight[i] = _mm256_add_ps(
+        _mm512_castps512_ps256(wide), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1)));
+#else
+    eight[i] = partials[i];
+#endif
+  }
+  // Two rounds of pairwise adds leave, per 128-bit half, the four partial sums of four rows; one swap of
+  // halves and an add finish all eight.
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(eight[0], eight[1]), _mm256_hadd_ps(eight[2], eight[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(eight[4], eight[5]), _mm256_hadd_ps(eight[6], eight[7]));
+  _mm256_storeu_ps(
+      sums,
+      _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31)));
+#else
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+    sums[i] = sum_lanes(partials[i]);
+  }
+#endif
+}
+
+// Steps through one request's cached rows of one KV head in token order, with no division per row.
+struct CacheRowCursor {
+  const float* cache;
+  const int32_t* table;
+  int64_t block_size;
+  int64_t block_stride;
+  int64_t token_stride;
+  int64_t block;
+  int64_t offset;
+
+  const float* row() const {
+    return cache + table[block] * block_stride + offset * token_stride;
+  }
+  void next() {
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+};
+
+// Rows a decode head asks memory for ahead of its dot products: a block's worth, into L2 (L1 has too few miss
+// buffers). A request's blocks lie anywhere in the cache, so the hardware prefetcher stops at each block's end.
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks L2 for one cache row of `row_bytes` (its 64-byte lines).
+inline void prefetch_row(const float* row, int64_t row_bytes) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < row_bytes; line += 64) {
+    _mm_prefetch(bytes + line, _MM_HINT_T1);
+  }
+}
+
+// The first `count` rows of a head's keys and values into L2: what the head after the current one reads first.
+inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int64_t count, int64_t row_bytes) {
+  for (int64_t i = 0; i < count; ++i, keys.next(), values.next()) {
+    prefetch_row(keys.row(), row_bytes);
+    prefetch_row(values.row(), row_bytes);
+  }
+}
+
+// Key rows asked of L2 one at a time, up to the last: a head's ahead of its dot products, or the next work item's
+// during the current item's value pass. Default-constructed it asks for nothing.
+struct KeyRowsAhead {
+  CacheRowCursor cursor;
+  int64_t row_bytes;
+  int64_t left;  // 0: nothing (more) to ask for
+
+  void ask_for_next() {
+    if (left > 0) {
+      prefetch_row(cursor.row(), row_bytes);
+      cursor.next();
+      --left;
+    }
+  }
+};
+
+// One fp32 head of decode attention with head_dim = kChunks * kLanes: the query and the output accumulators
+// live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
+// `fetch_ahead`: the first head of its KV head's group, which reads the rows from memory (the others find them in
+// cache); it asks for each key row kPrefetchRows ahead of its dot product and for each value row meanwhile.
+// `next_item`: key rows to ask for during the value pass (the next group's, for a group's last head).
+template <int64_t kChunks>
+void attend_head_lanes(
+    const float* query,
+    float scale,
+    CacheRowCursor keys,
+    CacheRowCursor values,
+    int64_t num_keys,
+    float* scores,
+    float* output,
+    bool fetch_ahead,
+    KeyRowsAhead next_item) {
+  Lanes scaled_query[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) {
+    scaled_query[c] = load_lanes(query + c * kLanes) * scale;
+  }
+  constexpr int64_t kRowBytes = kChunks * kLanes * sizeof(float);
+  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
+  CacheRowCursor values_ahead = values;
+  if (fetch_ahead) {
+    for (int64_t i = 0; i < kPrefetchRows; ++i) {
+      keys_ahead.ask_for_next();
+    }
+  }
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t key = 0; key < num_keys; key += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, num_keys - key);
+    Lanes partials[kKeyTile] = {};
+    if (fetch_ahead) {
+      for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
+        keys_ahead.ask_for_next();
+        prefetch_row(values_ahead.row(), kRowBytes);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i, keys.next()) {
+      const float* row = keys.row();
+      Lanes dot = scaled_query[0] * load_lanes(row);
+      for (int64_t c = 1; c < kChunks; ++c) {
+        dot += scaled_query[c] * load_lanes(row + c * kLanes);
+      }
+      partials[i] = dot;
+    }
+    sum_each_lanes(partials, scores + key);
+    for (int64_t i = 0; i < count; ++i) {
+      max_score = std::max(max_score, scores[key + i]);
+    }
+  }
+  const float inverse_sum = 1.f / exp_and_sum(scores, num_keys, max_score);
+  // Two sets of accumulators when they fit in registers: one FMA chain per set would wait on its latency.
+  constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
+  Lanes accumulators[kStreams][kChunks] = {};
+  int64_t key = 0;
+  for (; key + kStreams <= num_keys; key += kStreams) {
+    for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
+      next_item.ask_for_next();
+      const float* row = values.row();
+      const Lanes weight = broadcast(scores[key + stream]);
+      for (int64_t c = 0; c < kChunks; ++c) {
+        accumulators[stream][c] += weight * load_lanes(row + c * kLanes);
+      }
+    }
+  }
+  for (; key < num_keys; ++key, values.next()) {
+    next_item.ask_for_next();
+    const float* row = values.row();
+    const Lanes weight = broadcast(scores[key]);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      accumulators[0][c] += weight * load_lanes(row + c * kLanes);
+    }
+  }
+  for (int64_t c = 0; c < kChunks; ++c) {
+    Lanes total = accumulators[0][c];
+    for (int64_t stream = 1; stream < kStreams; ++stream) {
+      total += accumulators[stream][c];
+    }
+    store_lanes(output + c * kLanes, total * inverse_sum);
+  }
+}
+
+using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*, bool,
+                                 KeyRowsAhead);
+
+// The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
+inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    return nullptr;
+  }
+  switch (head_dim / kLanes) {
+    case 4:
+      return attend_head_lanes<4>;
+    case 8:
+      return attend_head_lanes<8>;
+    case 16:
+      return attend_head_lanes<16>;
+    default:
+      return nullptr;
+  }
+}
+
+// The `kGroup` query heads that share one KV head, in one pass over its rows: a tile of key rows comes from memory
+// for the first head and from L1 for the others, each value row is loaded once for all of them (rather than reread
+// from L2 per head). Per head, the same arithmetic in the same order as attend_head_lanes (bit for bit the same
+// output). `scores` holds kGroup rows of num_keys rounded up to a tile; query and output are the group's heads,
+// contiguous. Asks for each key row kPrefetchRows ahead and each value row meanwhile, and for `next_item`'s key
+// rows during the value pass.
+template <int64_t kChunks, int64_t kGroup>
+void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, CacheRowCursor values,
+                        int64_t num_keys, float* scores, float* output, KeyRowsAhead next_item) {
+  constexpr int64_t kHeadDim = kChunks * kLanes;
+  Lanes scaled_query[kGroup][kChunks];
+  for (int64_t h = 0; h < kGroup; ++h) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      scaled_query[h][c] = load_lanes(query + h * kHeadDim + c * kLanes) * scale;
+    }
+  }
+  const int64_t score_stride = num_keys + kKeyTile;
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(float);
+  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
+  CacheRowCursor values_ahead = values;
+  for (int64_t i = 0; i < kPrefetchRows; ++i) {
+    keys_ahead.ask_for_next();
+  }
+  float max_score[kGroup];
+  std::fill(max_score, max_score + kGroup, -std::numeric_limits<float>::infinity());
+  for (int64_t key = 0; key < num_keys; key += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, num_keys - key);
+    for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
+      keys_ahead.ask_for_next();
+      prefetch_row(values_ahead.row(), kRowBytes);
+    }
+    // The tile's rows come from memory for the first head and from L1 for the others.
+    const float* rows[kKeyTile];
+    for (int64_t i = 0; i < count; ++i, keys.next()) {
+      rows[i] = keys.row();
+    }
+    for (int64_t h = 0; h < kGroup; ++h) {
+      Lanes partials[kKeyTile] = {};
+      for (int64_t i = 0; i < count; ++i) {
+        Lanes dot = scaled_query[h][0] * load_lanes(rows[i]);
+        for (int64_t c = 1; c < kChunks; ++c) {
+          dot += scaled_query[h][c] * load_lanes(rows[i] + c * kLanes);
+        }
+        partials[i] = dot;
+      }
+      float* head_scores = scores + h * score_stride;
+      sum_each_lanes(partials, head_scores + key);
+      for (int64_t i = 0; i < count; ++i) {
+        max_score[h] = std::max(max_score[h], head_scores[key + i]);
+      }
+    }
+  }
+  float inverse_sum[kGroup];
+  for (int64_t h = 0; h < kGroup; ++h) {
+    inverse_sum[h] = 1.f / exp_and_sum(scores + h * score_stride, num_keys, max_score[h]);
+  }
+  constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
+  Lanes accumulators[kGroup][kStreams][kChunks] = {};
+  int64_t key = 0;
+  for (; key + kStreams <= num_keys; key += kStreams) {
+    for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
+      next_item.ask_for_next();
+      const float* row = values.row();
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const Lanes chunk = load_lanes(row + c * kLanes);
+        for (int64_t h = 0; h < kGroup; ++h) {
+          accumulators[h][stream][c] += broadcast(scores[h * score_stride + key + stream]) * chunk;
+        }
+      }
+    }
+  }
+  for (; key < num_keys; ++key, values.next()) {
+    next_item.ask_for_next();
+    const float* row = values.row();
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const Lanes chunk = load_lanes(row + c * kLanes);
+      for (int64_t h = 0; h < kGroup; ++h) {
+        accumulators[h][0][c] += broadcast(scores[h * score_stride + key]) * chunk;
+      }
+    }
+  }
+  for (int64_t h = 0; h < kGroup; ++h) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      Lanes total = accumulators[h][0][c];
+      for (int64_t stream = 1; stream < kStreams; ++stream) {
+        total += accumulators[h][stream][c];
+      }
+      store_lanes(output + h * kHeadDim + c * kLanes, total * inverse_sum[h]);
+    }
+  }
+}
+
+using AttendGroupLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*,
+                                  KeyRowsAhead);
+
+template <int64_t kChunks>
+inline AttendGroupLanes attend_group_lanes_of(int64_t group) {
+  switch (group) {
+    case 1:
+      return attend_group_lanes<kChunks, 1>;
+    case 2:
+      return attend_group_lanes<kChunks, 2>;
+    case 3:
+      return attend_group_lanes<kChunks, 3>;
+    case 4:
+      return attend_group_lanes<kChunks, 4>;
+    default:
+      return nullptr;
+  }
+}
+
+// The one-pass fp32 path for this head_dim and group size, or nullptr: query heads and accumulators of the whole
+// group must fit the registers (kChunks * group up to 16 vectors).
+inline AttendGroupLanes attend_group_lanes_for(int64_t head_dim, int64_t group) {
+  if (head_dim % kLanes != 0) {
+    return nullptr;
+  }
+  switch (head_dim / kLanes) {
+    case 4:
+      return attend_group_lanes_of<4>(group);
+    case 8:
+      return group <= 2 ? attend_group_lanes_of<8>(group) : nullptr;
+    case 16:
+      return group == 1 ? attend_group_lanes_of<16>(group) : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void decode_attention_kernel(
+    const scalar_t* query,
+    const PagedCache<scalar_t>& cache,
+    scalar_t* output,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t query_stride,
+    int64_t output_stride,
+    float scale,
+    int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads;
+  // Items rather than requests, so one long request still spreads over the threads: (request, KV head) on the
+  // query-group path, else (request, head) with a request's heads next to each other (the keys and values come
+  // from memory for a group's first head and from L2 for the others).
+  const int64_t work_per_head = cache.max_blocks * cache.block_size * head_dim * 2;
+  // A request's first key in attention: the window's start, or its first token.
+  const auto first_key = [sliding_window](int64_t seq_len) {
+    return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+  };
+  // Request `seq`'s rows of one KV head in `base` (the fp32 key or value cache), from key `first` on.
+  const auto kv_rows = [&](int64_t seq, int64_t kv_head, int64_t first, const auto* base) {
+    return CacheRowCursor{base + kv_head * head_dim,
+                          cache.block_tables + seq * cache.max_blocks,
+                          cache.block_size,
+                          cache.block_stride,
+                          cache.token_stride,
+                          first / cache.block_size,
+                          first % cache.block_size};
+  };
+  // The first rows of another request's KV head into L2 while the current item computes.
+  const auto prefetch_start_of = [&](int64_t seq, int64_t kv_head, const auto* keys, const auto* values) {
+    const int64_t seq_first = first_key(seq_lens[seq]);
+    prefetch_head_start(kv_rows(seq, kv_head, seq_first, keys), kv_rows(seq, kv_head, seq_first, values),
+                        std::min(kPrefetchRows, seq_lens[seq] - seq_first),
+                        head_dim * static_cast<int64_t>(sizeof(float)));
+  };
+  // The key rows of request `seq`'s KV head `kv_head`, for the item before it to ask for during its value pass
+  // (its own rows come from L2 by then), so memory stays busy in both passes.
+  const auto next_item_rows = [&](int64_t seq, int64_t kv_head, const auto* keys) {
+    const int64_t seq_first = first_key(seq_lens[seq]);
+    return KeyRowsAhead{kv_rows(seq, kv_head, seq_first, keys), head_dim * static_cast<int64_t>(sizeof(float)),
+                        seq_lens[seq] - seq_first};
+  };
+  AttendHeadLanes attend_lanes = nullptr;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    attend_lanes = attend_head_lanes_for(head_dim);
+    if (const AttendGroupLanes attend_group = attend_group_lanes_for(head_dim, group); attend_group != nullptr) {
+      // One work item per (request, KV head): its group of query heads in one pass over the rows.
+      parallel_claims(num_seqs * num_kv_heads, work_per_head * group, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t seq = item / num_kv_heads;
+          const int64_t kv_head = item % num_kv_heads;
+          const int64_t first = first_key(seq_lens[seq]);
+          const int64_t num_keys = seq_lens[seq] - first;
+          scores.resize(group * (num_keys + kKeyTile));
+          KeyRowsAhead next_item{};
+          if (item + 1 < end) {
+            prefetch_start_of((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys, cache.values);
+            next_item = next_item_rows((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys);
+          }
+          const int64_t first_head = kv_head * group;
+          attend_group(query + seq * query_stride + first_head * head_dim, scale,
+                       kv_rows(seq, kv_head, first, cache.keys), kv_rows(seq, kv_head, first, cache.values), num_keys,
+                       scores.data(), output + seq * output_stride + first_head * head_dim, next_item);
+        }
+      });
+      return;
+    }
+  }
+  parallel_claims(num_seqs * num_heads, work_per_head, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float scaled_query[kMaxHeadDim];
+    alignas(64) float accumulator[kMaxHeadDim];
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_heads;
+      const int64_t head = item % num_heads;
+      const int64_t seq_len = seq_lens[seq];
+      const int64_t first = first_key(seq_len);
+      const int64_t num_keys = seq_len - first;
+      const int32_t* table = cache.block_tables + seq * cache.max_blocks;
+      scores.resize(num_keys + kKeyTile);
+      const int64_t kv_offset = (head / group) * head_dim;
+      const scalar_t* head_query = query + seq * query_stride + head * head_dim;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (attend_lanes != nullptr) {
+          const CacheRowCursor keys = kv_rows(seq, head / group, first, cache.keys);
+          const CacheRowCursor values = kv_rows(seq, head / group, first, cache.values);
+          const bool group_leader = head % group == 0;
+          if (group_leader && item + group < end) {
+            // The next group's first rows come in while this group's heads compute.
+            const int64_t next = item + group;
+            prefetch_start_of(next / num_heads, (next % num_heads) / group, cache.keys, cache.values);
+          }
+          // The group's last head reads the rows from L2: memory meanwhile brings the next group's keys.
+          KeyRowsAhead next_item{};
+          if (head % group == group - 1 && item + 1 < end) {
+            next_item = next_item_rows((item + 1) / num_heads, ((item + 1) % num_heads) / group, cache.keys);
+          }
+          attend_lanes(head_query, scale, keys, values, num_keys, scores.data(),
+                       output + seq * output_stride + head * head_dim, group_leader, next_item);
+          continue;
+        }
+      }
+      for (int64_t d = 0; d < head_dim; ++d) {
+        scaled_query[d] = static_cast<float>(head_query[d]) * scale;
+      }
+      float max_score = -std::numeric_limits<float>::infinity();
+      // Walk block by block: no integer division per key.
+      for (int64_t block = first / cache.block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % cache.block_size : 0;
+        const int64_t count = std::min<int64_t>(cache.block_size - offset, num_keys - key);
+        const scalar_t* key_row =
+            cache.keys + table[block] * cache.block_stride + offset * cache.token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, key_row += cache.token_stride) {
+          const float dot = dot_row<scalar_t>(scaled_query, key_row, head_dim);
+          scores[key] = dot;
+          max_score = std::max(max_score, dot);
+        }
+      }
+      const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
+      std::fill(accumulator, accumulator + head_dim, 0.f);
+      for (int64_t block = first / cache.block_size, key = 0; key < num_keys; ++block) {
+        const int64_t offset = key == 0 ? first % cache.block_size : 0;
+        const int64_t count = std::min<int64_t>(cache.block_size - offset, num_keys - key);
+        const scalar_t* value_row =
+            cache.values + table[block] * cache.block_stride + offset * cache.token_stride + kv_offset;
+        for (int64_t i = 0; i < count; ++i, ++key, value_row += cache.token_stride) {
+          add_scaled_row<scalar_t>(accumulator, scores[key], value_row, head_dim);
+        }
+      }
+      scalar_t* head_output = output + seq * output_stride + head * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        head_output[d] = static_cast<scalar_t>(accumulator[d] * inverse_sum);
+      }
+    }
+  });
+}
+
+// DecodeStack's instance: decode_stack.cpp sees only the declaration.
+template void decode_attention_kernel<float>(const float*, const PagedCache<float>&, float*, const int32_t*, int64_t,
+                                              int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+
+namespace {
+
+// Query tokens per prefill work item: with GQA their query heads make group * kPrefillTile rows that share every
+// key and value row read (the decode kernel reads a request's keys once per query head).
+constexpr int64_t kPrefillTile = 16;
+// Query rows scored and accumulated together: each key or value vector is loaded once for all of them.
+constexpr int64_t kRowBlock = 4;
+
+// Prefill chunks (fp32, head_dim a multiple of kLanes) over the paged cache, their own new keys included (written
+// first): flash-style, a tile of kLanes keys at a time with an online softmax, so no score matrix, gathered copy
+// of the cache or mask tensor is ever built. One work item per (request, tile of query tokens, KV head).
+void prefill_attention_kernel(
+    const float* query,
+    const PagedCache<float>& cache,
+    float* output,
+    const int32_t* query_starts,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t query_stride,
+    int64_t output_stride,
+    float scale,
+    int64_t sliding_window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_rows = kPrefillTile * group;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (request, its first query token in the tile)
+  int64_t total_work = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_starts[seq + 1] - query_starts[seq];
+    const int64_t context = seq_lens[seq] - query_len;
+    for (int64_t first = 0; first < query_len; first += kPrefillTile) {
+      tiles.emplace_back(seq, first);
+      const int64_t keys = context + std::min(query_len, first + kPrefillTile);
+      total_work += std::min(kPrefillTile, query_len - first) * group * keys * head_dim * 2;
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  if (num_items == 0) {
+    return;
+  }
+  const IntLanes lane_index = [] {
+    IntLanes lanes;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      lanes[i] = static_cast<int32_t>(i);
+    }
+    return lanes;
+  }();
+  const Lanes minus_infinity = broadcast(-std::numeric_limits<float>::infinity());
+  parallel_claims(num_items, total_work / num_items, 1, [&](int64_t begin, int64_t end) {
+    // Keys of the current tile transposed (a row of kLanes keys per dimension); each row's probabilities; the
+    // running softmax max, sum and output of every query row of the item.
+    // Room for a whole kRowBlock past an item's last row: row blocks run whole, the extra rows scored and
+    // accumulated but never read.
+    const int64_t padded_rows = max_rows + kRowBlock;
+    std::vector<float> keys_t(head_dim * kLanes), probabilities(padded_rows * kLanes, 0.f);
+    std::vector<float> row_max(max_rows), row_sum(max_rows), accumulators(padded_rows * head_dim, 0.f);
+    std::vector<const float*> query_rows(padded_rows);
+    const float* value_rows[kLanes];
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [seq, tile_first] = tiles[item / num_kv_heads];
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t query_len = query_starts[seq + 1] - query_starts[seq];
+      const int64_t num_tokens = std::min(kPrefillTile, query_len - tile_first);
+      const int64_t num_rows = num_tokens * group;
+      const int64_t first_position = seq_lens[seq] - query_len + tile_first;
+      const int64_t last_position = first_position + num_tokens - 1;
+      const int64_t lowest_key = sliding_window > 0 ? std::max<int64_t>(0, first_position - sliding_window + 1) : 0;
+      const int32_t* table = cache.block_tables + seq * cache.max_blocks;
+      const int64_t kv_offset = kv_head * head_dim;
+      // Row r: token r / group of the tile, query head kv_head * group + r % group.
+      for (int64_t row = 0; row < num_rows; ++row) {
+        const int64_t token = query_starts[seq] + tile_first + row / group;
+        query_rows[row] = query + token * query_stride + (kv_head * group + row % group) * head_dim;
+      }
+      for (int64_t row = num_rows; row < num_rows + kRowBlock; ++row) {
+        query_rows[row] = query_rows[0];
+      }
+      std::fill(row_max.begin(), row_max.begin() + num_rows, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + num_rows, 0.f);
+      std::fill(accumulators.begin(), accumulators.begin() + num_rows * head_dim, 0.f);
+      for (int64_t first_key = lowest_key; first_key <= last_position; first_key += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, last_position + 1 - first_key);
+        alignas(64) int32_t row_offsets[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) {
+          // Lanes past the last key read the first one again; their scores are masked.
+          const int64_t key = first_key + (i < count ? i : 0);
+          const int64_t row_offset = table[key / cache.block_size] * cache.block_stride +
+                                     (key % cache.block_size) * cache.token_stride + kv_offset;
+          row_offsets[i] = static_cast<int32_t>(row_offset);
+          value_rows[i] = cache.values + row_offset;
+        }
+#if defined(__AVX512F__)
+        // One gather per dimension transposes the tile: kLanes rows, each in its own cache block.
+        const __m512i gather_offsets = _mm512_load_si512(row_offsets);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          _mm512_storeu_ps(keys_t.data() + d * kLanes, _mm512_i32gather_ps(gather_offsets, cache.keys + d, 4));
+        }
+#else
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const float* key_row = cache.keys + row_offsets[i];
+          for (int64_t d = 0; d < head_dim; ++d) {
+            keys_t[d * kLanes + i] = key_row[d];
+          }
+        }
+#endif
+        const IntLanes key_index = lane_index + static_cast<int32_t>(first_key);
+        for (int64_t row0 = 0; row0 < num_rows; row0 += kRowBlock) {
+          const float* const* rows = query_rows.data() + row0;
+          Lanes scores[kRowBlock] = {};
+          for (int64_t d = 0; d < head_dim; ++d) {
+            const Lanes keys_d = load_lanes(keys_t.data() + d * kLanes);
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              scores[b] += broadcast(rows[b][d]) * keys_d;
+            }
+          }
+          for (int64_t b = 0; b < kRowBlock && row0 + b < num_rows; ++b) {
+            const int64_t row = row0 + b;
+            const int32_t position = static_cast<int32_t>(first_position + row / group);
+            const int32_t lowest = sliding_window > 0 ? position - static_cast<int32_t>(sliding_window) + 1 : 0;
+            const IntLanes valid =
+                (key_index <= position) & (key_index >= lowest) & (lane_index < static_cast<int32_t>(count));
+            const Lanes masked = valid ? scores[b] * scale : minus_infinity;
+            const float tile_max = max_lanes(masked);
+            float* row_probabilities = probabilities.data() + row * kLanes;
+            if (tile_max == -std::numeric_limits<float>::infinity()) {
+              store_lanes(row_probabilities, Lanes{});  // every key of the tile is after this query (or out of window)
+              continue;
+            }
+            const float new_max = std::max(row_max[row], tile_max);
+            const float correction = std::exp(row_max[row] - new_max);
+            const Lanes weights = valid ? exp_lanes(masked - new_max) : Lanes{};
+            store_lanes(row_probabilities, weights);
+            row_sum[row] = row_sum[row] * correction + sum_lanes(weights);
+            row_max[row] = new_max;
+            if (correction != 1.f) {
+              float* accumulator = accumulators.data() + row * head_dim;
+              for (int64_t d = 0; d < head_dim; d += kLanes) {
+                store_lanes(accumulator + d, load_lanes(accumulator + d) * correction);
+              }
+            }
+          }
+        }
+        for (int64_t row0 = 0; row0 < num_rows; row0 += kRowBlock) {
+          const float* weights = probabilities.data() + row0 * kLanes;
+          float* block_accumulators = accumulators.data() + row0 * head_dim;
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            Lanes sums[kRowBlock];
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              sums[b] = load_lanes(block_accumulators + b * head_dim + d);
+            }
+            for (int64_t i = 0; i < count; ++i) {
+              const Lanes value = load_lanes(value_rows[i] + d);
+              for (int64_t b = 0; b < kRowBlock; ++b) {
+                sums[b] += broadcast(weights[b * kLanes + i]) * value;
+              }
+            }
+            for (int64_t b = 0; b < kRowBlock; ++b) {
+              store_lanes(block_accumulators + b * head_dim + d, sums[b]);
+            }
+          }
+        }
+      }
+      for (int64_t row = 0; row < num_rows; ++row) {
+        const int64_t token = query_starts[seq] + tile_first + row / group;
+        float* out = output + token * output_stride + (kv_head * group + row % group) * head_dim;
+        const float* accumulator = accumulators.data() + row * head_dim;
+        const Lanes inverse_sum = broadcast(1.f / row_sum[row]);
+        for (int64_t d = 0; d < head_dim; d += kLanes) {
+          store_lanes(out + d, load_lanes(accumulator + d) * inverse_sum);
+        }
+      }
+    }
+  });
+}
+
+// What both paged attention entry points read: query and output [rows, heads, head_dim] with contiguous heads,
+// matching paged caches of the query's dtype, int32 block tables and sequence lengths.
+void check_paged_attention_inputs(
+    const torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens) {
+  check_rows(query, "query");
+  check_rows(output, "output");
+  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(), "query and output must be [rows, heads, dim]");
+  TORCH_CHECK(query.stride(1) == query.size(2) && output.stride(1) == output.size(2), "heads must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.strides() == value_cache.strides(), "caches must match");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3), "cache rows must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "cache and query dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+}
+
+template <typename scalar_t>
+PagedCache<scalar_t> paged_cache(
+    const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& block_tables) {
+  return {key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+          block_tables.size(1), key_cache.size(1), key_cache.stride(0), key_cache.stride(1)};
+}
+
+}  // namespace
+
+void paged_decode_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window) {
+  check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per seq");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_kernel<scalar_t>(
+        query.data_ptr<scalar_t>(),
+        paged_cache<scalar_t>(key_cache, value_cache, block_tables),
+        output.data_ptr<scalar_t>(),
+        seq_lens.data_ptr<int32_t>(),
+        num_seqs,
+        query.size(1),
+        key_cache.size(2),
+        query.size(2),
+        query.stride(0),
+        output.stride(0),
+        static_cast<float>(scale),
+        sliding_window);
+  });
+}
+
+void paged_prefill_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& query_starts,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window) {
+  check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && output.scalar_type() == torch::kFloat32, "fp32 only");
+  TORCH_CHECK(query.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
+  // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
+  TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(), "cache above 2^31 floats");
+  TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && query_starts.size(0) == num_seqs + 1, "one table per request");
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0), "query_starts must cover the query rows");
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK(query_len >= 1 && query_len <= lens[seq], "each request needs 1 .. seq_len query tokens");
+    TORCH_CHECK(lens[seq] <= block_tables.size(1) * key_cache.size(1), "a block table is too short");
+  }
+  prefill_attention_kernel(
+      query.data_ptr<float>(),
+      paged_cache<float>(key_cache, value_cache, block_tables),
+      output.data_ptr<float>(),
+      starts,
+      lens,
+      num_seqs,
+      query.size(1),
+      key_cache.size(2),
+      query.size(2),
+      query.stride(0),
+      output.stride(0),
+      static_cast<float>(scale),
+      sliding_window);
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,69 @@
+// Paged attention over the KV cache: the decode kernel DecodeStack runs, and the torch entry points.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace pagedserve {
+
+constexpr int64_t kMaxHeadDim = 512;
+
+// Where a paged KV cache keeps each request's token rows: key and value caches [blocks, block_size, kv_heads,
+// head_dim] with the same strides, and block_tables [requests, max_blocks].
+template <typename scalar_t>
+struct PagedCache {
+  const scalar_t* keys;
+  const scalar_t* values;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  int64_t block_size;
+  int64_t block_stride;
+  int64_t token_stride;
+};
+
+// One query token per request against its cached keys: query and output rows [num_heads, head_dim] at
+// query_stride / output_stride apart; seq_lens count each request's keys. Other files get the fp32 instance.
+template <typename scalar_t>
+void decode_attention_kernel(
+    const scalar_t* query,
+    const PagedCache<scalar_t>& cache,
+    scalar_t* output,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t query_stride,
+    int64_t output_stride,
+    float scale,
+    int64_t sliding_window);
+
+// query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
+// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none.
+void paged_decode_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window);
+
+// Prefill chunks over the paged cache, fp32 with head_dim a multiple of vector_lanes. query and output
+// [tokens, heads, head_dim]: the chunks' tokens, request i's at rows query_starts[i] .. query_starts[i + 1];
+// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32: cached keys plus the chunk's own, whose keys and
+// values must be in the cache already (reshape_and_cache first).
+void paged_prefill_attention(
+    torch::Tensor& output,
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& query_starts,
+    const torch::Tensor& seq_lens,
+    double scale,
+    int64_t sliding_window);
+
+}  // namespace pagedserve

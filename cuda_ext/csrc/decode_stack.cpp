@@ -1,0 +1,370 @@
+// DecodeStack: each layer's kernels run straight from C++ on the step's scratch, without the GIL.
+#include "decode_stack.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+#include "attention.h"
+#include "elementwise.h"
+#include "gemm_panels.h"
+
+namespace pagedserve {
+namespace {
+
+// A layer's stages, in order; between two, a token's state is its rows of hidden, residual and the scratch.
+enum Stage : int64_t {
+  kNormAndQkv,          // input add + RMSNorm, QKV projection
+  kRotaryAndAttention,  // rotary, the KV-cache write, paged attention
+  kOutputAndNorm,       // output projection, post-attention add + RMSNorm
+  kGateUp,              // gate/up projection, SiLU-and-mul
+  kDown,                // down projection
+  kNumStages,
+};
+
+// A thread's share must be this many tokens or the grouped path is not taken: fewer rows per weight read and
+// the projections, each thread streaming every weight, fall off the compute peak.
+constexpr int64_t kMinRowsPerThread = 16;
+// Rows handed over hold at least this many tokens, and so does what the giving thread keeps.
+constexpr int64_t kMinSplitRows = 4;
+
+void check_matrix(const torch::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32, name, " must be CPU fp32");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == columns && weight.stride(1) == 1,
+              name, " must be [", rows, ", ", columns, "] with contiguous rows");
+}
+
+void check_vector(const torch::Tensor& vector, int64_t size, const char* name) {
+  TORCH_CHECK(vector.device().is_cpu() && vector.scalar_type() == torch::kFloat32 && vector.is_contiguous(),
+              name, " must be a contiguous CPU fp32 tensor");
+  TORCH_CHECK(vector.numel() == size, name, " must have ", size, " elements");
+}
+
+void check_rows_of(const torch::Tensor& tensor, int64_t rows, int64_t columns, const char* name) {
+  check_vector(tensor, rows * columns, name);
+  TORCH_CHECK(tensor.size(0) == rows, name, " must have one row per token");
+}
+
+torch::Tensor bias_or_empty(const std::optional<torch::Tensor>& bias, int64_t size, const char* name) {
+  if (!bias.has_value() || !bias->defined()) {
+    return torch::Tensor();
+  }
+  check_vector(*bias, size, name);
+  return *bias;
+}
+
+torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const torch::Tensor& weight,
+                              const char* name) {
+  if (!panels.has_value() || !panels->defined()) {
+    return torch::Tensor();
+  }
+  check_panels(*panels, weight.size(0), weight.size(1), name);
+  return *panels;
+}
+
+}  // namespace
+
+// A step's tensors, as pointers: row `token` of each is that token's.
+struct DecodeStack::Step {
+  float* hidden;
+  float* residual;
+  const std::vector<torch::Tensor>* kv_caches;
+  const int32_t* block_tables;
+  int64_t width, block_size;
+  const int32_t* seq_lens;
+  const int64_t* slots;
+  const float* cos;
+  const float* sin;
+};
+
+struct DecodeStack::Rows {
+  int64_t begin, end, layer, stage;
+};
+
+// At first one range per thread; a busy thread splits off the back half of its rows for a thread that waits for
+// work. Whichever threads run the region, every range gets taken.
+class DecodeStack::RowShare {
+ public:
+  RowShare(int64_t num_tokens, int64_t num_ranges) : unfinished_(num_tokens), num_pending_(num_ranges) {
+    for (int64_t range = num_ranges - 1; range >= 0; --range) {
+      pending_.push_back(Rows{num_tokens * range / num_ranges, num_tokens * (range + 1) / num_ranges, 0, 0});
+    }
+  }
+
+  // A busy thread, between two stages: while a thread waits with nothing to take, gives it the back half of
+  // `rows` (`rows` keeps the front half).
+  void give_back_half(Rows& rows) {
+    if (waiting_.load(std::memory_order_relaxed) <= num_pending_.load(std::memory_order_relaxed) ||
+        rows.end - rows.begin < 2 * kMinSplitRows) {
+      return;
+    }
+    const int64_t middle = rows.begin + (rows.end - rows.begin) / 2;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_.push_back(Rows{middle, rows.end, rows.layer, rows.stage});
+      num_pending_.fetch_add(1, std::memory_order_relaxed);
+      ++num_handoffs_;
+    }
+    rows.end = middle;
+  }
+
+  void finished(int64_t num_rows) {
+    unfinished_.fetch_sub(num_rows, std::memory_order_release);
+  }
+
+  // After the region (its end is the barrier that makes the count visible).
+  int64_t num_handoffs() const {
+    return num_handoffs_;
+  }
+
+  // The next range to run, waiting for one while other threads still run theirs; nothing once every token went
+  // through the last layer.
+  std::optional<Rows> next() {
+    bool waiting = false;
+    while (true) {
+      // The lock only when a range is there to take: a waiting thread must not slow the givers down.
+      if (num_pending_.load(std::memory_order_relaxed) > 0) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!pending_.empty()) {
+          const Rows rows = pending_.back();
+          pending_.pop_back();
+          num_pending_.fetch_sub(1, std::memory_order_relaxed);
+          if (waiting) {
+            waiting_.fetch_sub(1, std::memory_order_relaxed);
+          }
+          return rows;
+        }
+      }
+      if (unfinished_.load(std::memory_order_acquire) == 0) {
+        if (waiting) {
+          waiting_.fetch_sub(1, std::memory_order_relaxed);
+        }
+        return std::nullopt;
+      }
+      if (!waiting) {
+        waiting_.fetch_add(1, std::memory_order_relaxed);
+        waiting = true;
+      }
+      _mm_pause();
+    }
+  }
+
+ private:
+  std::atomic<int64_t> unfinished_;
+  std::atomic<int64_t> num_pending_;
+  std::atomic<int64_t> waiting_{0};
+  std::mutex mutex_;
+  std::vector<Rows> pending_;
+  int64_t num_handoffs_ = 0;  // under mutex_
+};
+
+DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         int64_t sliding_window)
+    : num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      eps_(static_cast<float>(eps)),
+      scale_(static_cast<float>(scale)),
+      sliding_window_(sliding_window) {
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "head_dim must be even and at most ", kMaxHeadDim);
+}
+
+void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv,
+                            const std::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o,
+                            const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                            const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
+                            const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias,
+                            const std::optional<torch::Tensor>& qkv_panels,
+                            const std::optional<torch::Tensor>& o_panels,
+                            const std::optional<torch::Tensor>& gate_up_panels,
+                            const std::optional<torch::Tensor>& down_panels) {
+  const int64_t hidden = input_norm.size(0);
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
+  const int64_t inter = gate_up.size(0) / 2;
+  check_matrix(qkv, qkv_rows, hidden, "qkv");
+  check_matrix(o, hidden, q_size, "o");
+  check_matrix(gate_up, 2 * inter, hidden, "gate_up");
+  check_matrix(down, hidden, inter, "down");
+  check_vector(input_norm, hidden, "input_norm");
+  check_vector(post_norm, hidden, "post_norm");
+  TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
+  layers_.push_back(
+      Layer{input_norm,
+            Linear{qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), panels_or_empty(qkv_panels, qkv, "qkv panels")},
+            Linear{o, bias_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels")},
+            post_norm,
+            Linear{gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
+                   panels_or_empty(gate_up_panels, gate_up, "gate_up panels")},
+            Linear{down, bias_or_empty(down_bias, hidden, "down bias"),
+                   panels_or_empty(down_panels, down, "down panels")}});
+  hidden_ = hidden;
+  inter_ = inter;
+}
+
+void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
+                          const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
+                          const torch::Tensor& sin, bool rows_share_sequences) {
+  TORCH_CHECK(!layers_.empty(), "the stack has no layers");
+  const int64_t num_tokens = hidden.size(0);
+  check_rows_of(hidden, num_tokens, hidden_, "hidden");
+  check_rows_of(residual, num_tokens, hidden_, "residual");
+  const int64_t half = head_dim_ / 2;
+  check_rows_of(cos, num_tokens, half, "cos");
+  check_rows_of(sin, num_tokens, half, "sin");
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == num_tokens,
+              "block_tables must be contiguous int32 [tokens, width]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.numel() == num_tokens,
+              "seq_lens must be int32 [tokens]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == num_tokens,
+              "slots must be int64 [tokens]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  const int64_t block_size = kv_caches[0].dim() == 5 ? kv_caches[0].size(2) : 0;
+  int64_t num_slots = std::numeric_limits<int64_t>::max();  // of the smallest cache
+  for (const torch::Tensor& cache : kv_caches) {
+    TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous() && cache.dim() == 5 &&
+                    cache.size(2) == block_size && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
+                "KV caches must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+    num_slots = std::min(num_slots, cache.size(1) * block_size);
+  }
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    TORCH_CHECK(lens[token] >= 1 && (lens[token] + block_size - 1) / std::max<int64_t>(1, block_size) <= width,
+                "seq_len ", lens[token], " needs more blocks than its table holds");
+    TORCH_CHECK(slot_of[token] < num_slots, "slot ", slot_of[token], " is outside the cache");
+  }
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
+  qkv_.resize(num_tokens * qkv_rows);
+  attended_.resize(num_tokens * q_size);
+  gate_up_.resize(num_tokens * 2 * inter_);
+  activated_.resize(num_tokens * inter_);
+  if (!has_residual) {
+    // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
+    std::fill(residual.data_ptr<float>(), residual.data_ptr<float>() + num_tokens * hidden_, 0.f);
+  }
+  const Step step{hidden.data_ptr<float>(), residual.data_ptr<float>(), &kv_caches, block_tables.data_ptr<int32_t>(),
+                  width, block_size, lens, slot_of, cos.data_ptr<float>(), sin.data_ptr<float>()};
+  const int64_t num_threads = at::get_num_threads();
+  last_step_handoffs_ = 0;
+  // Rows of one sequence (speculative drafts) read each other's keys: only rows that go through each stage
+  // together have every row's keys written before any row attends.
+  if (rows_share_sequences || num_threads < 2 || num_tokens < kMinRowsPerThread * num_threads ||
+      at::in_parallel_region()) {
+    run_rows(step, Rows{0, num_tokens, 0, 0}, nullptr);  // every kernel spreads its own work over the threads
+    return;
+  }
+  // Each thread takes its share of the tokens through every layer on its own, its kernels single-threaded (they
+  // are inside a parallel region): no barrier between a step's ~150 kernels, and the norms, rotary and SiLU
+  // run on every thread. A thread done early takes half of what another has left at its next stage.
+  RowShare share(num_tokens, num_threads);
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    while (const std::optional<Rows> rows = share.next()) {
+      share.finished(run_rows(step, *rows, &share));
+    }
+  });
+  last_step_handoffs_ = share.num_handoffs();
+}
+
+int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
+  const int64_t half = head_dim_ / 2;
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t kv_size = num_kv_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * kv_size;
+  for (; rows.layer < static_cast<int64_t>(layers_.size()); ++rows.layer, rows.stage = 0) {
+    const Layer& layer = layers_[rows.layer];
+    const torch::Tensor& cache = (*step.kv_caches)[rows.layer];
+    for (; rows.stage < kNumStages; ++rows.stage) {
+      if (share != nullptr) {
+        share->give_back_half(rows);
+      }
+      const int64_t begin = rows.begin;
+      const int64_t count = rows.end - rows.begin;
+      float* const x = step.hidden + begin * hidden_;
+      float* const stream = step.residual + begin * hidden_;
+      float* const qkv = qkv_.data() + begin * qkv_rows;
+      float* const attended = attended_.data() + begin * q_size;
+      float* const gate_up = gate_up_.data() + begin * 2 * inter_;
+      float* const activated = activated_.data() + begin * inter_;
+      switch (rows.stage) {
+        case kNormAndQkv:
+          for (int64_t token = 0; token < count; ++token) {
+            add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
+                                    layer.input_norm.data_ptr<float>(), hidden_, eps_);
+          }
+          project(layer.qkv, x, hidden_, count, qkv);
+          break;
+        case kRotaryAndAttention: {
+          float* key_cache = cache.data_ptr<float>();
+          float* value_cache = key_cache + cache.stride(0);
+          for (int64_t token = 0; token < count; ++token) {
+            float* token_qkv = qkv + token * qkv_rows;
+            const float* cos_row = step.cos + (begin + token) * half;
+            const float* sin_row = step.sin + (begin + token) * half;
+            rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
+            rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+            const int64_t slot = step.slots[begin + token];
+            if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
+              std::memcpy(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size * sizeof(float));
+              std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size,
+                          kv_size * sizeof(float));
+            }
+          }
+          const PagedCache<float> paged{key_cache, value_cache, step.block_tables + begin * step.width,
+                                        step.width, step.block_size, cache.stride(1), cache.stride(2)};
+          decode_attention_kernel<float>(qkv, paged, attended, step.seq_lens + begin, count, num_heads_,
+                                         num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, sliding_window_);
+          break;
+        }
+        case kOutputAndNorm:
+          project(layer.o, attended, q_size, count, x);
+          for (int64_t token = 0; token < count; ++token) {
+            add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
+                                    layer.post_norm.data_ptr<float>(), hidden_, eps_);
+          }
+          break;
+        case kGateUp:
+          project(layer.gate_up, x, hidden_, count, gate_up);
+          for (int64_t token = 0; token < count; ++token) {
+            const float* gate = gate_up + token * 2 * inter_;
+            silu_and_mul_row<float>(activated + token * inter_, gate, gate + inter_, inter_);
+          }
+          break;
+        case kDown:
+          project(layer.down, activated, inter_, count, x);
+      }
+    }
+  }
+  return rows.end - rows.begin;
+}
+
+void DecodeStack::project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens,
+                          float* out) const {
+  const int64_t rows = linear.weight.size(0);
+  if (linear.panels.defined()) {
+    panel_linear_kernel(x, columns, num_tokens, linear.panels.data_ptr<float>(), rows, columns, out, rows);
+  } else {
+    linear_tokens_kernel(x, columns, num_tokens, linear.weight.data_ptr<float>(), linear.weight.stride(0), out, rows,
+                         rows, linear.weight.size(1));
+  }
+  if (linear.bias.defined()) {
+    const float* bias_data = linear.bias.data_ptr<float>();
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      for (int64_t i = 0; i < rows; ++i) {
+        out[token * rows + i] += bias_data[i];
+      }
+    }
+  }
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,84 @@
+// DecodeStack: fp32 decode tokens through a stack of Llama decoder layers in one call.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace pagedserve {
+
+// fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
+// the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
+// and the SwiGLU MLP, without the Python and dispatch overhead of a step's ~30 small ops per layer. Projections
+// run panel_linear_kernel on the layer's panel-packed weights, or linear_tokens_kernel on the plain weights where a
+// layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
+// forward); with fewer, every kernel spreads over the threads.
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t sliding_window);
+
+  // Biases and panel weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
+  // contiguous rows; a panel weight is the same weight as pack_panels lays it out.
+  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
+                 const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                 const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
+                 const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias,
+                 const std::optional<torch::Tensor>& qkv_panels, const std::optional<torch::Tensor>& o_panels,
+                 const std::optional<torch::Tensor>& gate_up_panels,
+                 const std::optional<torch::Tensor>& down_panels);
+
+  // hidden and residual [tokens, hidden_size], in place: in, the stack's input (residual unread without
+  // has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
+  // block_size, kv_heads, head_dim] per layer; per token, its block table row [tokens, width] int32, seq_len with
+  // the new token [tokens] int32, KV slot [tokens] int64 (-1: padding) and cos/sin rows [tokens, head_dim / 2] fp32.
+  void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
+               const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
+               const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
+               const torch::Tensor& sin, bool rows_share_sequences);
+
+  // Token ranges one thread handed to another in the last forward (0 unless the grouped path ran).
+  int64_t last_step_handoffs() const {
+    return last_step_handoffs_;
+  }
+
+ private:
+  // A step's tensors, as pointers: row `token` of each is that token's.
+  struct Step;
+  // Tokens [begin, end) of a step, about to run stage `stage` of layer `layer`.
+  struct Rows;
+  // The token ranges of one grouped step, shared out between the threads.
+  class RowShare;
+
+  struct Linear {
+    torch::Tensor weight, bias, panels;  // bias and panels may be undefined
+  };
+  struct Layer {
+    torch::Tensor input_norm;
+    Linear qkv, o;
+    torch::Tensor post_norm;
+    Linear gate_up, down;
+  };
+
+  // Runs `rows` from their layer and stage through the last layer; returns how many it ran to the end. With a
+  // share, it may give half of them to an idle thread before a stage: each token's state between stages lives in
+  // its own rows of the step's scratch, wherever it runs next.
+  int64_t run_rows(const Step& step, Rows rows, RowShare* share);
+
+  // out [tokens, the weight's out size] = x [tokens, columns] (contiguous rows) W^T + bias.
+  void project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out) const;
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  float eps_, scale_;
+  int64_t sliding_window_;
+  int64_t hidden_ = 0;
+  int64_t inter_ = 0;
+  std::vector<Layer> layers_;
+  int64_t last_step_handoffs_ = 0;
+  // Scratch for a step's tokens, reused every step.
+  std::vector<float> qkv_, attended_, gate_up_, activated_;
+};
+
+}  // namespace pagedserve
