@@ -13,7 +13,7 @@ from ray.exceptions import RayError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from configs.app_config import ServeSection
+from configs.app_config import ServeConfig
 from serve_app.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
@@ -39,7 +39,7 @@ class GuardError(Exception):
 
 
 class HttpGuard:
-    def __init__(self, settings: ServeSection):
+    def __init__(self, settings: ServeConfig):
         self.settings = settings
         api_key = settings.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
         self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from configs.app_config import ServeSection
+from configs.app_config import ServeConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import validate_prompt
 from executor.outputs import EngineInfo
@@ -56,7 +56,7 @@ class OpenAIServing:
         model_name: str,
         tokenizer: Any,
         engine_info: EngineInfo,
-        settings: ServeSection,
+        settings: ServeConfig,
         runner: RequestRunner,
         tokenizer_thread: ThreadPoolExecutor,
     ):

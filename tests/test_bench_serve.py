@@ -20,8 +20,6 @@ from cluster.bench.stats import format_report, percentile, summarize
 from cluster.bench.workload import arrival_gaps, synthetic_prompts
 from model_executor.layers.greedy_screen import cpu_has_bf16_dot_products
 
-pytestmark = pytest.mark.slow
-
 SUMMARY_KEYS = {
     "completed",
     "failed",
@@ -283,11 +281,8 @@ def test_failures_are_recorded_not_raised():
 
 
 @pytest.fixture(scope="module")
-def bench_url(serve_port, tiny_model_dir):
-    from ray import serve
-
+def bench_url(deploy_module_app, tiny_model_dir):
     from configs.app_config import AppConfig
-    from serve_app.app import build_app
 
     config = AppConfig.model_validate(
         {
@@ -297,11 +292,10 @@ def bench_url(serve_port, tiny_model_dir):
             "serve": {"app_name": "bench-tiny", "route_prefix": "/bench", "ingress_num_cpus": 0.1},
         }
     )
-    serve.run(build_app(config), name="bench-tiny", route_prefix="/bench")
-    yield f"http://127.0.0.1:{serve_port}/bench/v1"
-    serve.delete("bench-tiny")
+    return f"{deploy_module_app(config)}/v1"
 
 
+@pytest.mark.serve
 def test_closed_loop_run_against_the_server(bench_url, tmp_path, capsys):
     output = tmp_path / "result.json"
     config = BenchConfig(
@@ -350,6 +344,7 @@ def test_the_client_runs_on_uvloop_where_installed():
     assert run_client(loop_module()).startswith("uvloop")
 
 
+@pytest.mark.serve
 def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, tmp_path, capsys):
     from cluster.cli import main
 
@@ -392,6 +387,7 @@ def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, t
     assert "Workload ceiling" in printed and "TTFT p50 floor" in printed
 
 
+@pytest.mark.serve
 def test_chat_endpoint_and_shared_prefix(bench_url):
     config = BenchConfig(
         base_url=bench_url,
