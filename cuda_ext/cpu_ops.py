@@ -22,10 +22,12 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCE_DIRECTORY = Path(__file__).parent / "csrc"
-DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 EXTENSION_NAME = "pagedserve_cpu_ops"
 # Longest wait for another process's build of the same kernels; a build takes about a minute.
 BUILD_WAIT_S = 900
+
+# This process's `runtime.cpu_kernels` == "off", set once by select_cpu_kernels where the model is built.
+_turned_off = False
 
 
 @contextlib.contextmanager
@@ -115,11 +117,26 @@ def staged_sources(build_directory: Path, sources: list[Path]) -> list[Path]:
     return staged
 
 
-@functools.cache
+def select_cpu_kernels(mode: str) -> ModuleType | None:
+    """Apply the config's `runtime.cpu_kernels` to this process, once, before its model is built: "off" keeps every
+    CPU op on pure torch, "on" fails unless the kernels build, "auto" uses them where they build."""
+    global _turned_off
+    _turned_off = mode == "off"
+    ops = load_cpu_ops()
+    if mode == "on" and ops is None:
+        raise RuntimeError("runtime.cpu_kernels is 'on' but the C++ CPU kernels did not build (see the warning above)")
+    if _turned_off:
+        logger.info("runtime.cpu_kernels is 'off': CPU ops run on pure torch")
+    return ops
+
+
 def load_cpu_ops() -> ModuleType | None:
-    if os.environ.get(DISABLE_ENV) == "1":
-        logger.info("%s=1: CPU attention uses the pure-torch path", DISABLE_ENV)
-        return None
+    """The compiled kernels, or None where they did not build or the config turned them off."""
+    return None if _turned_off else _built_cpu_ops()
+
+
+@functools.cache
+def _built_cpu_ops() -> ModuleType | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         logger.warning("no C++ compiler found: CPU attention uses the slower pure-torch path")
         return None

@@ -148,6 +148,7 @@ class ModelWorker:
             show_progress=show_progress,
             cuda_graphs=self.config.runtime.cuda_graphs,
             greedy_screening=self.config.runtime.greedy_screening,
+            cpu_kernels=self.config.runtime.cpu_kernels,
             cuda_graph_max_batch_size=min(
                 self.config.runtime.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs
             ),

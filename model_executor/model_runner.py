@@ -4,44 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from configs.sampling_params import SamplingParams
-from cuda_ext.attention import AttentionBatch
-from cuda_ext.cuda_graphs import (
-    PADDING_SEQ_LEN,
-    PADDING_SLOT,
-    CudaGraphRunner,
-    DecodeInputs,
-    bucket_for,
-    decode_buckets,
-    pad_decode_inputs,
-)
+from cuda_ext.cpu_ops import select_cpu_kernels
+from cuda_ext.cuda_graphs import PADDING_SEQ_LEN, PADDING_SLOT, CudaGraphRunner, bucket_for, decode_buckets
+from model_executor.cpu_decode_stack import runs_decode_stack
+from model_executor.input_batch import InputBatch, RunnerRequestState, build_input_batch
 from model_executor.layers.greedy_screen import GreedyScreen
-from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
-from model_executor.models import get_model_class
+from model_executor.model_loader import load_model
 from model_executor.parallel_state import ParallelContext
 from model_executor.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
-from model_executor.weight_loader import load_safetensors_weights
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RunnerRequestState:
-    """The runner's copy of a request: tokens it has seen, where its KV lives, how it samples."""
-
-    request_id: str
-    token_ids: list[int]  # prompt followed by generated tokens
-    num_prompt_tokens: int
-    sampling_row: SamplingRow
-    block_ids: list[int]
-    num_computed_tokens: int
 
 
 class ModelRunner:
@@ -58,32 +37,22 @@ class ModelRunner:
         cuda_graphs: str = "auto",
         greedy_screening: str = "auto",
         cuda_graph_max_batch_size: int = 256,
+        cpu_kernels: str = "auto",
     ):
         self.model_info = model_info
         self.block_size = block_size
         self.device = torch.device(model_info.device)
         self.parallel = parallel or ParallelContext()
         torch.manual_seed(seed)
-        model_class = get_model_class(getattr(model_info.hf_config, "architectures", None))
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(model_info.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = model_class(model_info.hf_config, self.parallel, attention_backend, self.device)
-        finally:
-            torch.set_default_dtype(previous_dtype)
-        self.model.eval()
-        load_safetensors_weights(self.model, model_info.model_dir, show_progress=show_progress)
-        for module in self.model.modules():
-            if isinstance(module, PackableWeight):
-                module.pack_weights()
+        # The config's runtime.cpu_kernels, applied once for this process before any layer picks its kernel.
+        use_cpu_kernels = self.device.type == "cpu" and select_cpu_kernels(cpu_kernels) is not None
+        self.model = load_model(model_info, self.parallel, attention_backend, use_cpu_kernels, show_progress)
         # Vocab-parallel heads would need a cross-rank argmax; one rank's head is screened on its own.
         lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
         self.greedy_screen = (
             GreedyScreen.build(lm_head.weight, lm_head.linear_kernel_ops, greedy_screening) if lm_head else None
         )
-        if self.model.prepare_decode_stack():
-            logger.info("decode steps run the decoder stack in one C++ call")
+        self.uses_decode_stack = runs_decode_stack(self.model)
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
@@ -129,10 +98,9 @@ class ModelRunner:
 
     def warm_up(self, max_num_batched_tokens: int) -> None:
         """A prefill chunk of the step budget, in prompts of 64 tokens, then two decode steps of those prompts, on
-        dummy requests before serving. A fresh worker otherwise pays in its first burst for the allocator growing
-        its heap, oneDNN creating its primitives and cold code faulting in: over HTTP on the 2-core VM a fresh
-        server's first 64-stream burst had TTFT p50 2.88-3.14 s, against 2.61-2.73 s after a small burst first.
-        The dummy KV lands in blocks no request holds yet (every block is written before it is read)."""
+        dummy requests before serving, so the first real burst does not pay for the allocator growing its heap,
+        oneDNN creating its primitives and cold code faulting in. The dummy KV lands in blocks no request holds yet
+        (every block is written before it is read)."""
         prompt_len = max(1, min(64, self.model_info.max_model_len - 2))
         blocks_per_request = -(-(prompt_len + 2) // self.block_size)
         num_requests = min(-(-max_num_batched_tokens // prompt_len), self.num_kv_blocks // blocks_per_request)
@@ -242,102 +210,69 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step: the plan's rows as inputs, this rank's forward, and on the sampling rank the sampled tokens."""
         self._update_states(plan)
         if not plan.num_scheduled_tokens:
             return StepResult()
-        spec_token_ids = plan.spec_token_ids
-        # Decodes (one new token) first: the attention backend handles them as one padded group. A request's token
-        # and its drafts are decode rows too, one per token, each attending up to itself.
-        ordered = sorted(
-            plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1 and item[0] not in spec_token_ids
-        )
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sampling_states: list[RunnerRequestState] = []
-        # Per sampling state: the drafts its rows verify (every row from its last known token on samples).
-        step_drafts: list[list[int]] = []
-        block_size = self.block_size
-        for request_id, num_tokens in ordered:
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            drafts = spec_token_ids.get(request_id, [])
-            input_ids.extend(state.token_ids[start:end])
-            if drafts:
-                input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            block_ids = state.block_ids
-            slot_mapping.extend(
-                block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
-            )
-            if drafts:
-                query_lens.extend([1] * num_tokens)
-                seq_lens.extend(range(start + 1, end + 1))
-                block_tables.extend([block_ids] * num_tokens)
-            else:
-                query_lens.append(num_tokens)
-                seq_lens.append(end)
-                block_tables.append(block_ids)
-            if end == len(state.token_ids) + len(drafts):
-                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
-                sampling_states.append(state)
-                step_drafts.append(drafts)
-            state.num_computed_tokens = end
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        has_drafts = any(step_drafts)
-        bucket = None
-        # The C++ decoder stack splits a padded step's rows between threads unless told they share sequences.
-        drafts_on_stack = has_drafts and self.model.decode_stack is not None
-        if self.decode_graphs is not None and num_decodes == len(query_lens) and not drafts_on_stack:
-            bucket = bucket_for(num_decodes, self.decode_graphs.buckets)
-        if bucket is not None:
-            decode_inputs = self._decode_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
-            padded_hidden = self.decode_graphs.run(decode_inputs, bucket)
-            sample_hidden = padded_hidden[:num_decodes]
-        else:
-            attn_batch = AttentionBatch(query_lens, seq_lens, block_tables, slot_mapping, num_decodes, has_drafts)
-            attn_metadata = self.attention_backend.build_metadata(attn_batch, block_size, self.device)
-            input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-            positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-            intermediate = None
-            if not self.parallel.is_first_stage:
-                intermediate = self._receive_intermediate(len(input_ids))
-            # Rows that sample nothing (a prompt's earlier tokens) skip the last layer's projection and MLP.
-            output_rows = (
-                torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-                if len(sample_rows) < len(input_ids)
-                else None
-            )
-            hidden_states = self.model(
-                input_ids_t, positions_t, self.kv_caches, attn_metadata, intermediate, output_rows=output_rows
-            )
-            if not self.parallel.is_last_stage:
-                self._send_intermediate(hidden_states)
-                return StepResult()
-            sample_hidden = hidden_states
-        if not sample_rows:
+        batch = build_input_batch(plan, self.requests, self.block_size)
+        hidden_states = self._run_model(batch)
+        if hidden_states is None or not batch.sample_rows:
             return StepResult()
-        sampling_rows = [
-            state.sampling_row for state, drafts in zip(sampling_states, step_drafts) for _ in range(len(drafts) + 1)
-        ]
+        return self._sample(batch, hidden_states)
+
+    def _run_model(self, batch: InputBatch) -> torch.Tensor | None:
+        """The sampled rows' final hidden states on the last pipeline stage; earlier stages send their output on to
+        the next and return None."""
+        bucket = self._decode_bucket(batch)
+        if bucket is not None:
+            decode_inputs = batch.padded_decode_inputs(bucket, self.block_size, self.device)
+            return self.decode_graphs.run(decode_inputs, bucket)[: batch.num_decodes]
+        attn_metadata = self.attention_backend.build_metadata(batch.attention_batch(), self.block_size, self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
+        intermediate = None
+        if not self.parallel.is_first_stage:
+            intermediate = self._receive_intermediate(batch.num_tokens)
+        # Rows that sample nothing (a prompt's earlier tokens) skip the last layer's projection and MLP.
+        output_rows = (
+            torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
+            if len(batch.sample_rows) < batch.num_tokens
+            else None
+        )
+        hidden_states = self.model(
+            input_ids, positions, self.kv_caches, attn_metadata, intermediate, output_rows=output_rows
+        )
+        if not self.parallel.is_last_stage:
+            self._send_intermediate(hidden_states)
+            return None
+        return hidden_states
+
+    def _decode_bucket(self, batch: InputBatch) -> int | None:
+        """The padded size at which a decode-only step runs through `decode_graphs`, or None to run it as it is."""
+        if self.decode_graphs is None or not batch.is_decode_only:
+            return None
+        # The C++ decoder stack splits a padded step's rows between threads unless told they share sequences.
+        if batch.has_drafts and self.uses_decode_stack:
+            return None
+        return bucket_for(batch.num_decodes, self.decode_graphs.buckets)
+
+    def _sample(self, batch: InputBatch, hidden_states: torch.Tensor) -> StepResult:
+        """Plain greedy rows through the screened head where there is one; the rest through the LM head and the
+        sampler (every tensor-parallel rank computes logits; only the driver samples)."""
+        sampling_rows = batch.sampling_rows()
         greedy_index = (
             [index for index, row in enumerate(sampling_rows) if self.sampler.is_plain_greedy(row)]
             if self.greedy_screen is not None
             else []
         )
         if greedy_index:
-            sampled = self._sample_with_screen(sample_hidden, sampling_rows, greedy_index)
+            sampled = self._sample_with_screen(hidden_states, sampling_rows, greedy_index)
         else:
-            logits = self.model.compute_logits(sample_hidden).float()
+            logits = self.model.compute_logits(hidden_states).float()
             if not self.is_driver:
                 return StepResult()
             sampled = self.sampler(logits, sampling_rows)
-        return self._step_result(sampling_states, step_drafts, sampled)
+        return self._step_result(batch.sampling_states, batch.step_drafts, sampled)
 
     def _step_result(
         self, states: list[RunnerRequestState], step_drafts: list[list[int]], sampled: SamplerOutput
@@ -388,36 +323,6 @@ class ModelRunner:
         for index, token_id in zip(greedy_index, self.greedy_screen.token_ids(hidden_greedy).tolist(), strict=True):
             token_ids[index] = token_id
         return SamplerOutput(token_ids, logprobs)
-
-    def _decode_inputs(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        slot_mapping: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        bucket: int,
-    ) -> dict[str, torch.Tensor]:
-        """A decode step's inputs padded to its bucket, block tables cut to the blocks the kernels read."""
-        block_size = self.block_size
-        width = -(-max(seq_lens) // block_size)
-        table_rows = []
-        for blocks, seq_len in zip(block_tables, seq_lens, strict=True):
-            needed = -(-seq_len // block_size)
-            table_rows.append(blocks[:needed] + [0] * (width - needed))
-        table = torch.tensor(table_rows, dtype=torch.int32)
-        inputs = DecodeInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=table,
-        )
-        padded = pad_decode_inputs(inputs, bucket)
-        return {
-            name: getattr(padded, name).to(self.device, non_blocking=True)
-            for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
-        }
 
     def _stage_peer(self, stage_offset: int) -> int:
         """Global rank of the same tensor-parallel rank in a neighbouring pipeline stage."""

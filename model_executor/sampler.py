@@ -179,8 +179,7 @@ class Sampler:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the vocabulary, the first of equal maxima, as `argmax` (and HF's greedy search) picks.
 
-    `max(dim).indices` promises the same index and runs in a third of `argmax`'s time on CPU (0.8 vs 2.2 ms for 64
-    rows of 49,152 logits: ~2% of a batch-64 decode step).
+    `max(dim).indices` promises the same index and is faster than `argmax` on CPU.
     """
     return logits.max(dim=-1).indices
 

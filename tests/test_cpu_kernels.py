@@ -299,6 +299,9 @@ def test_auto_picks_the_cpu_kernels_and_falls_back_without_them() -> None:
     assert get_attention_backend("auto", CPU, 4, 2, 16).name == "cpu"
     script = (
         "import torch\n"
+        "from configs.sections import RuntimeConfig\n"
+        "from cuda_ext.cpu_ops import select_cpu_kernels\n"
+        "assert select_cpu_kernels(RuntimeConfig().cpu_kernels) is None\n"
         "from cuda_ext.attention import get_attention_backend\n"
         "from cuda_ext import fused_ops\n"
         "assert get_attention_backend('auto', torch.device('cpu'), 4, 2, 16).name == 'torch'\n"

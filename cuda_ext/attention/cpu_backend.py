@@ -16,10 +16,9 @@ from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.torch_backend import PaddedGroup, TorchAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
 
-# Prefill chunks with up to this many keys (cached prefix plus chunk) run our kernel, longer ones SDPA: per layer,
-# SmolLM2's heads on 2 Intel cores (the prefill rows of `benchmarks/bench_cpu_kernels.py`), 8 fresh prompts of 64
-# tokens 0.62 vs 1.03 ms (SDPA pads, gathers and masks), but 8 x 64 after 200 cached 2.8 vs 2.4 ms and 128 after
-# 1,000 cached 3.0 vs 2.4 ms: over long key runs SDPA's GEMM tiles beat our flash loop.
+# Prefill chunks with up to this many keys (cached prefix plus chunk) run our kernel, longer ones SDPA: over long
+# key runs SDPA's GEMM tiles beat our flash loop, over short ones its padding and masking cost more (see the prefill
+# rows of `benchmarks/bench_cpu_kernels.py`).
 PREFILL_KERNEL_MAX_KEYS = 256
 # The kernel's cache row offsets are 32-bit.
 PREFILL_KERNEL_MAX_CACHE_ELEMENTS = 2**31 - 1

@@ -1,9 +1,9 @@
 """Exact greedy tokens at half the LM head's cost on CPUs with bf16 dot products.
 
-The LM head is a fifth of a decode step's time on CPU (at one token, 113 MB of fp32 weight read per token; at 64,
-3.6 GFLOP). A greedy row needs only the argmax of its fp32 logits, so the head runs once in bf16 (oneDNN packs the
-weight once; AVX512-BF16 does two products per lane), and fp32 logits are computed only for the tokens whose bf16
-logit lies within its error bound of the best (a handful: 5 in the median SmolLM2 step). The bound is a proof,
+The LM head is a large share of a decode step's time on CPU (the biggest weight, read for every token). A greedy
+row needs only the argmax of its fp32 logits, so the head runs once in bf16 (oneDNN packs the weight once;
+AVX512-BF16 does two products per lane), and fp32 logits are computed only for the tokens whose bf16 logit lies
+within its error bound of the best (typically a handful). The bound is a proof,
 not a tolerance: with both operands rounded to bf16 (relative error 2^-8 each) a product's error is at most
 2^-7 |x_j w_ij|, so a logit's is at most 2^-7 |x| |w_i| (Cauchy-Schwarz), plus 2^-8 of its value for the bf16
 result; both are taken twice over. The token is the argmax of those fp32 logits, the first of equal maxima, as

@@ -2,12 +2,17 @@
 
 Each layer owns `load_weight(param_name, loaded_weight, shard_id)`, which reads only this rank's slice of a
 checkpoint tensor: `loaded_weight` may be a lazy safetensors slice, so a rank never holds the full tensor.
+
+After loading, `pack_weights(use_cpu_kernels)` picks the layer's `linear_method` once (the kernel its matmuls run
+on) and lays the weight out for it; `forward` calls `self.linear_method.apply(self, x, bias)`, with no per-call
+checks of device, dtype or settings.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -40,26 +45,91 @@ def copy_into(param: torch.Tensor, shard: torch.Tensor) -> None:
 
 
 def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered into oneDNN's blocked layout for CPU matmuls (bf16, or fp32 where our kernels cannot be
-    built), or None where that path is off.
+    """The weight reordered into oneDNN's blocked layout for CPU matmuls, or None where this torch build cannot.
 
-    oneDNN's prepacked GEMM beats MKL's on this model's skinny shapes (up to 2x at one token, 1.6x on the
-    LM head at batch 64), and the reorder is paid once at load instead of on every call.
+    oneDNN's prepacked GEMM beats MKL's on this model's skinny shapes, and the reorder is paid once at load.
     """
-    from cuda_ext.cpu_ops import DISABLE_ENV
-
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.float32, torch.bfloat16)
-        or not torch.backends.mkldnn.is_available()
-        or os.environ.get(DISABLE_ENV) == "1"
-    ):
-        return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
     except (RuntimeError, AttributeError) as error:  # a torch build without it: plain F.linear
         logger.warning("oneDNN weight packing unavailable (%s); CPU linears use torch.nn.functional.linear", error)
         return None
+
+
+@functools.cache
+def onednn_packing_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs `dtype` weights for oneDNN (asked once per dtype, on a small weight)."""
+    return torch.backends.mkldnn.is_available() and pack_weight_for_cpu(torch.zeros(8, 8, dtype=dtype)) is not None
+
+
+class LinearMethod(ABC):
+    """How a layer's matmul runs. Chosen once per layer by `select_linear_method`; the layer keeps the weights."""
+
+    ops: ModuleType | None = None
+    """Our C++ kernel module, where this method runs on it."""
+
+    def process_weights_after_loading(self, layer: PackableWeight) -> None:  # noqa: B027 (most kernels need none)
+        """Lay the loaded weight out for this kernel, on the layer beside the plain weight."""
+
+    @abstractmethod
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [tokens, in] -> [tokens, out] = x W^T (+ bias)."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """torch's matmul on the plain weight: CUDA, CPU with our kernels off, and every layer before packing."""
+
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return nn.functional.linear(x, layer.weight, bias)
+
+
+class OneDnnLinearMethod(LinearMethod):
+    """oneDNN's prepacked GEMM (bf16 on CPU, or fp32 where our kernels cannot be built)."""
+
+    def process_weights_after_loading(self, layer: PackableWeight) -> None:
+        layer.packed_weight = pack_weight_for_cpu(layer.weight)
+
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2:
+            return nn.functional.linear(x, layer.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+
+
+class CpuPanelLinearMethod(LinearMethod):
+    """Our C++ panel GEMM (`cuda_ext.cpu_ops` pack_panels / panel_linear) for fp32 on CPU: the weight is packed
+    once into panels; it beats oneDNN's packed GEMM on this engine's shapes."""
+
+    def __init__(self, ops: ModuleType):
+        self.ops = ops
+
+    def process_weights_after_loading(self, layer: PackableWeight) -> None:
+        layer.panel_weight = self.ops.pack_panels(layer.weight.detach())
+
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2:
+            return nn.functional.linear(x, layer.weight, bias)
+        out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
+        self.ops.panel_linear(out, x if x.stride(-1) == 1 else x.contiguous(), layer.panel_weight)
+        return out.add_(bias) if bias is not None else out
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearMethod:
+    """The kernel for this weight: on CPU with `use_cpu_kernels`, fp32 on our panels (where they build), fp32 and
+    bf16 on oneDNN's packed GEMM otherwise; torch's matmul everywhere else."""
+    if not use_cpu_kernels or weight.device.type != "cpu":
+        return UNQUANTIZED
+    if weight.dtype == torch.float32:
+        from cuda_ext.cpu_ops import load_cpu_ops
+
+        ops = load_cpu_ops()
+        if ops is not None:
+            return CpuPanelLinearMethod(ops)
+    if weight.dtype in (torch.float32, torch.bfloat16) and onednn_packing_available(weight.dtype):
+        return OneDnnLinearMethod()
+    return UNQUANTIZED
 
 
 def apply_linear(
@@ -70,6 +140,7 @@ def apply_linear(
     linear_kernel_ops: ModuleType | None = None,
     panel_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """x through whichever layout of `weight` is given, outside any layer (tests compare the layouts with it)."""
     if panel_weight is not None and linear_kernel_ops is not None and x.dim() == 2:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         linear_kernel_ops.panel_linear(out, x if x.stride(-1) == 1 else x.contiguous(), panel_weight)
@@ -80,27 +151,23 @@ def apply_linear(
 
 
 class PackableWeight:
-    """Mixin: `pack_weights()` after loading lays the weight out for CPU matmuls: fp32 weights in our kernel's
-    panels (`cuda_ext.cpu_ops` pack_panels; it beats oneDNN's packed GEMM at every row count measured), others in
-    oneDNN's blocked layout. The plain weight stays (the greedy screen and the GPU path read it)."""
+    """Mixin of the layers whose `weight` multiplies their input (the linears and the LM head). The plain weight
+    stays after packing (the greedy screen, the C++ decoder stack and the GPU path read it)."""
 
-    packed_weight: torch.Tensor | None = None
-    panel_weight: torch.Tensor | None = None
-    linear_kernel_ops: ModuleType | None = None
+    weight: nn.Parameter
+    linear_method: LinearMethod = UNQUANTIZED
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout (OneDnnLinearMethod)
+    panel_weight: torch.Tensor | None = None  # our kernel's panels (CpuPanelLinearMethod)
 
-    def pack_weights(self) -> None:
-        from cuda_ext.cpu_ops import DISABLE_ENV, load_cpu_ops
+    def pack_weights(self, use_cpu_kernels: bool = True) -> None:
+        """After loading: choose this layer's kernel once and lay the weight out for it."""
+        self.linear_method = select_linear_method(self.weight, use_cpu_kernels)
+        self.linear_method.process_weights_after_loading(self)
 
-        weight = self.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and os.environ.get(DISABLE_ENV) != "1":
-            self.linear_kernel_ops = load_cpu_ops()
-            if self.linear_kernel_ops is not None:
-                self.panel_weight = self.linear_kernel_ops.pack_panels(weight.detach())
-                return
-        self.packed_weight = pack_weight_for_cpu(weight)
-
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.packed_weight, bias, self.linear_kernel_ops, self.panel_weight)
+    @property
+    def linear_kernel_ops(self) -> ModuleType | None:
+        """Our C++ kernel module where this layer's matmuls run on it, else None."""
+        return self.linear_method.ops
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):
@@ -114,7 +181,7 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
@@ -187,7 +254,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(self.project(x))
+        y = self.parallel.all_reduce(self.linear_method.apply(self, x))
         return y + self.bias if self.bias is not None else y
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:

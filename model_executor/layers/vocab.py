@@ -41,5 +41,5 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     """Logits over the vocabulary: each rank scores its own token ids, then the slices are gathered."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        local_logits = self.project(hidden_states)
+        local_logits = self.linear_method.apply(self, hidden_states)
         return self.parallel.all_gather_last_dim(local_logits)[:, : self.vocab_size]

@@ -35,6 +35,9 @@ class StepInputs:
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over the paged KV cache. `attention_backend` names a registered backend ("auto": by device);
+    the layer gets its `AttentionBackend` from `cuda_ext.attention`'s registry and calls only that interface."""
+
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -166,58 +169,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
             if self.tie_word_embeddings and parallel.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
-        # Set by prepare_decode_stack once the weights are loaded, where the C++ stack applies.
-        self.decode_stack: Any = None
-
-    def prepare_decode_stack(self) -> bool:
-        """Decode steps run this stage's layers in one C++ call (CPU, fp32, one tensor-parallel rank).
-
-        The ~30 small ops per layer, each a Python call and a dispatch on the layer-by-layer path, cost 2-2.5 ms a
-        step whatever the batch (a fifth of a one-token step). The stack's projections run our panel kernel on the
-        layers' panel weights, as the layer-by-layer path does.
-        """
-        from cuda_ext.attention.cpu_backend import CpuAttentionBackend
-        from cuda_ext.cpu_ops import load_cpu_ops
-
-        first_layer = self.layers[str(self.start_layer)]
-        ops = load_cpu_ops()
-        attention = self.attention_backend
-        if (
-            ops is None
-            or self.parallel.tp_size != 1
-            or not isinstance(attention, CpuAttentionBackend)
-            or first_layer.self_attn.qkv_proj.weight.dtype != torch.float32
-        ):
-            return False
-        stack = ops.DecodeStack(
-            num_heads=attention.num_heads,
-            num_kv_heads=attention.num_kv_heads,
-            head_dim=attention.head_dim,
-            eps=first_layer.input_layernorm.eps,
-            scale=attention.scale,
-            sliding_window=attention.sliding_window or 0,
-        )
-        for layer in self.layers.values():
-            attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(
-                layer.input_layernorm.weight,
-                attn.qkv_proj.weight,
-                attn.qkv_proj.bias,
-                attn.o_proj.weight,
-                attn.o_proj.bias,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
-                mlp.gate_up_proj.bias,
-                mlp.down_proj.weight,
-                mlp.down_proj.bias,
-                # None before pack_weights: the dot-product kernel then runs on the plain weights.
-                attn.qkv_proj.panel_weight,
-                attn.o_proj.panel_weight,
-                mlp.gate_up_proj.panel_weight,
-                mlp.down_proj.panel_weight,
-            )
-        self.decode_stack = stack
-        return True
 
     @property
     def num_local_layers(self) -> int:
@@ -243,37 +194,30 @@ class LlamaForCausalLM(nn.Module):
         caches every row's keys and values, but runs its output projection and MLP on those rows alone (a prefill
         chunk samples from its last token only).
         """
-        cos_sin = self.rotary.cos_sin(positions)
+        step = StepInputs(attn_metadata, self.rotary, self.rotary.cos_sin(positions))
+        hidden_states, residual = self.stage_input(input_ids, intermediate)
+        # Every stage owns at least one layer (stage_layer_range); the last one may narrow to output_rows.
+        *earlier, (last_layer, last_cache) = zip(self.layers.values(), kv_caches)
+        for layer, kv_cache in earlier:
+            hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
+        last_rows = output_rows if self.parallel.is_last_stage else None
+        hidden_states, residual = last_layer(step, hidden_states, residual, last_cache, last_rows)
+        return self.stage_output(hidden_states, residual)
+
+    def stage_input(
+        self, input_ids: torch.Tensor, intermediate: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual) this stage's first layer takes: the token embeddings (no residual yet) on the first
+        stage, the previous stage's output on the others."""
         if self.parallel.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden_states, residual = intermediate
-        num_tokens = input_ids.shape[0]
-        if self.decode_stack is not None and attn_metadata.num_decodes == num_tokens:
-            has_residual = residual is not None
-            if residual is None:
-                residual = torch.empty_like(hidden_states)
-            self.decode_stack.forward(
-                hidden_states,
-                residual,
-                has_residual,
-                kv_caches,
-                attn_metadata.decode_block_tables,
-                attn_metadata.decode_seq_lens,
-                attn_metadata.slot_mapping,
-                cos_sin[0].view(num_tokens, -1),
-                cos_sin[1].view(num_tokens, -1),
-                attn_metadata.decodes_share_sequences,
-            )
-        else:
-            step = StepInputs(attn_metadata, self.rotary, cos_sin)
-            # Every stage owns at least one layer (stage_layer_range); the last one may narrow to output_rows.
-            *earlier, (last_layer, last_cache) = zip(self.layers.values(), kv_caches)
-            for layer, kv_cache in earlier:
-                hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
-            last_rows = output_rows if self.parallel.is_last_stage else None
-            hidden_states, residual = last_layer(step, hidden_states, residual, last_cache, last_rows)
-            output_rows = None  # applied by the last layer
+            return self.embed_tokens(input_ids), None
+        return intermediate
+
+    def stage_output(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What this stage returns after its last layer: (hidden, residual) for the next stage, or on the last
+        stage the final norm of `output_rows`' rows (all rows if None)."""
         if not self.parallel.is_last_stage:
             return hidden_states, residual
         if output_rows is not None:
