@@ -8,7 +8,7 @@ not a tolerance: with both operands rounded to bf16 (relative error 2^-8 each) a
 2^-7 |x_j w_ij|, so a logit's is at most 2^-7 |x| |w_i| (Cauchy-Schwarz), plus 2^-8 of its value for the bf16
 result; both are taken twice over. The token is the argmax of those fp32 logits, the first of equal maxima, as
 `Sampler` picks: the same token as the full fp32 head, computed by the same kernel (`screened_greedy` in
-cuda_ext/csrc/cpu_ops.cpp). A row whose candidates overflow `MAX_CANDIDATES` gets its full fp32 logits.
+cuda_ext/csrc/greedy_screen.cpp). A row whose candidates overflow `MAX_CANDIDATES` gets its full fp32 logits.
 """
 
 from __future__ import annotations
