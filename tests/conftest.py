@@ -21,7 +21,7 @@ import pytest
 from configs.app_config import AppConfig
 from model_executor.model_fetch import resolve_model
 from model_executor.tiny_model import TINY_ALIAS, write_tiny_llama
-from tests.helpers import HFReference, free_port
+from tests.helpers import HFReference, free_port, serve_apps
 
 
 @pytest.fixture(scope="session")
@@ -98,34 +98,13 @@ def serve_port(ray_cluster: Any) -> int:
     return port
 
 
-def _serve_apps(serve_port: int) -> Iterator[Callable[[AppConfig], str]]:
-    """Yields `deploy(config) -> root URL`, which runs the app of `config` on this session's Serve at its route
-    prefix; every app it deployed is deleted when the generator closes."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    app_names: list[str] = []
-
-    def deploy(config: AppConfig) -> str:
-        app_names.append(config.serve.app_name)  # before serve.run: an app that failed to start is deleted too
-        serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix)
-        return f"http://127.0.0.1:{serve_port}{config.serve.route_prefix}"
-
-    try:
-        yield deploy
-    finally:
-        for app_name in reversed(app_names):
-            serve.delete(app_name)
-
-
 @pytest.fixture(scope="module")
 def deploy_module_app(serve_port: int) -> Iterator[Callable[[AppConfig], str]]:
     """`deploy_module_app(config) -> root URL`: the app serves the whole module and is deleted after it."""
-    yield from _serve_apps(serve_port)
+    yield from serve_apps(serve_port)
 
 
 @pytest.fixture
 def deploy_app(serve_port: int) -> Iterator[Callable[[AppConfig], str]]:
     """`deploy_app(config) -> root URL`: the app serves one test and is deleted after it."""
-    yield from _serve_apps(serve_port)
+    yield from serve_apps(serve_port)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from configs.app_config import AppConfig
 
 
 class HFReference:
@@ -111,3 +113,24 @@ def rss_mib(pid: int) -> float:
     """Resident memory of a local process, in MiB."""
     with open(f"/proc/{pid}/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def serve_apps(serve_port: int) -> Iterator[Callable[[AppConfig], str]]:
+    """Yields `deploy(config) -> root URL`, which runs the app of `config` on this session's Serve at its route
+    prefix; every app it deployed is deleted when the generator closes."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    app_names: list[str] = []
+
+    def deploy(config: AppConfig) -> str:
+        app_names.append(config.serve.app_name)  # before serve.run: an app that failed to start is deleted too
+        serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix)
+        return f"http://127.0.0.1:{serve_port}{config.serve.route_prefix}"
+
+    try:
+        yield deploy
+    finally:
+        for app_name in reversed(app_names):
+            serve.delete(app_name)
