@@ -50,7 +50,7 @@ class ModelRunner:
         # Vocab-parallel heads would need a cross-rank argmax; one rank's head is screened on its own.
         lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
         self.greedy_screen = (
-            GreedyScreen.build(lm_head.weight, lm_head.linear_kernel_ops, greedy_screening) if lm_head else None
+            GreedyScreen.build(lm_head.weight, lm_head.linear_method.ops, greedy_screening) if lm_head else None
         )
         self.uses_decode_stack = runs_decode_stack(self.model)
         self.attention_backend = self.model.attention_backend

@@ -12,7 +12,7 @@ from configs.sampling_params import SamplingParams
 from executor.request import Request
 from executor.scheduler import RequestUpdate, Scheduler
 from model_executor.step_plan import StepPlan, StepResult
-from tests.test_scheduler import (
+from tests.scheduler_fakes import (
     EOS,
     TOKEN,
     RandomWorkload,

@@ -46,7 +46,7 @@ def random_llama(pp_rank: int = 0, pp_size: int = 1, panels: bool = False, **ove
     if panels:
         for module in model.modules():
             if isinstance(module, PackableWeight):
-                module.pack_weights()
+                module.pack_weights(use_cpu_kernels=True)
         assert next(iter(model.layers.values())).mlp.gate_up_proj.panel_weight is not None
     assert model.prepare_decode_stack()
     return model

@@ -435,24 +435,24 @@ def test_linear_results_do_not_depend_on_which_thread_takes_which_claim() -> Non
 
 def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None:
     from executor import LLM
-    from model_executor.layers.linear import PackableWeight, apply_linear, pack_weight_for_cpu
+    from model_executor.layers.linear import CpuPanelLinearMethod, OneDnnLinearMethod, PackableWeight
 
-    ops = load_cpu_ops()
     generator = torch.Generator().manual_seed(6)
     weight, bias = torch.randn(960, 576, generator=generator), torch.randn(960, generator=generator)
-    packed = pack_weight_for_cpu(weight)
-    assert packed is not None
-    panels = ops.pack_panels(weight)
-    for rows in (1, 7, 8, 9, 64, 96, 97, 128, 513):
-        x = torch.randn(rows, 576, generator=generator)
-        expected = torch.nn.functional.linear(x, weight, bias)
-        # oneDNN's packed weight (bf16 models, or fp32 where our kernels cannot be built), then our panels.
-        torch.testing.assert_close(apply_linear(x, weight, packed, bias), expected, atol=1e-4, rtol=1e-5)
-        on_panels = apply_linear(x, weight, None, bias, ops, panels)
-        torch.testing.assert_close(on_panels, expected, atol=1e-4, rtol=1e-5)
+    # oneDNN's packed weight (bf16 models, or fp32 where our kernels cannot be built), then our panels.
+    methods = {"packed_weight": OneDnnLinearMethod(), "panel_weight": CpuPanelLinearMethod(load_cpu_ops())}
+    for layout, method in methods.items():
+        layer = PackableWeight()
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        method.process_weights_after_loading(layer)
+        assert getattr(layer, layout) is not None, layout
+        for rows in (1, 7, 8, 9, 64, 96, 97, 128, 513):
+            x = torch.randn(rows, 576, generator=generator)
+            expected = torch.nn.functional.linear(x, weight, bias)
+            torch.testing.assert_close(method.apply(layer, x, bias), expected, atol=1e-4, rtol=1e-5)
     llm = LLM(model="tiny-random-llama", device="cpu", num_kv_blocks=16, show_progress=False)
     modules = [m for m in llm.engine.core.executor.worker.runner.model.modules() if isinstance(m, PackableWeight)]
     # q/k/v, o, gate/up and down per layer, plus the LM head: all fp32, all on panels, no oneDNN copy beside them.
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
     assert all(module.panel_weight is not None and module.packed_weight is None for module in modules)
-    assert all(module.linear_kernel_ops is not None for module in modules)
+    assert all(module.linear_method.ops is not None for module in modules)

@@ -132,24 +132,6 @@ def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearM
     return UNQUANTIZED
 
 
-def apply_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    packed_weight: torch.Tensor | None,
-    bias: torch.Tensor | None = None,
-    linear_kernel_ops: ModuleType | None = None,
-    panel_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x through whichever layout of `weight` is given, outside any layer (tests compare the layouts with it)."""
-    if panel_weight is not None and linear_kernel_ops is not None and x.dim() == 2:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        linear_kernel_ops.panel_linear(out, x if x.stride(-1) == 1 else x.contiguous(), panel_weight)
-        return out.add_(bias) if bias is not None else out
-    if packed_weight is not None and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-    return nn.functional.linear(x, weight, bias)
-
-
 class PackableWeight:
     """Mixin of the layers whose `weight` multiplies their input (the linears and the LM head). The plain weight
     stays after packing (the greedy screen, the C++ decoder stack and the GPU path read it)."""
@@ -159,15 +141,10 @@ class PackableWeight:
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout (OneDnnLinearMethod)
     panel_weight: torch.Tensor | None = None  # our kernel's panels (CpuPanelLinearMethod)
 
-    def pack_weights(self, use_cpu_kernels: bool = True) -> None:
+    def pack_weights(self, use_cpu_kernels: bool) -> None:
         """After loading: choose this layer's kernel once and lay the weight out for it."""
         self.linear_method = select_linear_method(self.weight, use_cpu_kernels)
         self.linear_method.process_weights_after_loading(self)
-
-    @property
-    def linear_kernel_ops(self) -> ModuleType | None:
-        """Our C++ kernel module where this layer's matmuls run on it, else None."""
-        return self.linear_method.ops
 
 
 class ColumnParallelLinear(PackableWeight, nn.Module):
