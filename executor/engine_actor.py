@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -392,16 +393,8 @@ class EngineActor:
         core = await self._started()
         core_stats = core.stats()
         return EngineStats(
-            num_running=core_stats.num_running,
-            num_waiting=core_stats.num_waiting,
-            num_free_blocks=core_stats.num_free_blocks,
-            num_kv_blocks=core_stats.num_kv_blocks,
-            kv_cache_usage=core_stats.kv_cache_usage,
-            num_preemptions=core_stats.num_preemptions,
-            prefix_cache_queries=core_stats.prefix_cache_queries,
-            prefix_cache_hits=core_stats.prefix_cache_hits,
+            **dataclasses.asdict(core_stats),
             num_steps=self.num_steps,
-            num_steps_planned_ahead=core_stats.num_steps_planned_ahead,
             num_rebuilds=self.num_rebuilds,
             num_clients=self.clients.num_clients,
             draining=self.draining,

@@ -19,6 +19,7 @@ from configs.sampling_params import SamplingParams
 from executor.errors import EngineOverloadedError
 from executor.executors import Executor
 from executor.metrics import EngineMetrics
+from executor.outputs import CoreStats
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_info import ModelInfo
@@ -47,24 +48,6 @@ class EngineOutput:
         self.new_token_ids.extend(later.new_token_ids)
         self.new_logprobs.extend(later.new_logprobs)
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
-
-
-@dataclass(frozen=True, slots=True)
-class CoreStats:
-    """The scheduler's load and KV cache now, and its cumulative counts (the actor's stats and metrics read it)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_kv_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_draft_tokens: int
-    num_accepted_draft_tokens: int
-    num_steps_planned_ahead: int
-    num_requests: int
 
 
 def child_request_id(request_id: str, index: int) -> str:

@@ -50,8 +50,8 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
-class EngineStats:
-    """A scheduler actor's state now: load, KV cache, lifecycle, and per-request bookkeeping (all zero when idle)."""
+class CoreStats:
+    """The scheduler's load and KV cache now, and its cumulative counts (the actor's stats and metrics read it)."""
 
     num_running: int
     num_waiting: int
@@ -61,8 +61,18 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    num_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
     num_steps_planned_ahead: int
+    num_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStats(CoreStats):
+    """A scheduler actor's state now: its core's stats, its lifecycle, and per-request bookkeeping (all zero when
+    idle)."""
+
+    num_steps: int
     num_rebuilds: int
     num_clients: int
     draining: bool
