@@ -2,7 +2,7 @@
 bodies. Each answer is a fast 4xx in the OpenAI error shape, memory stays flat, and a normal request succeeds after.
 
 (Huge `n`, `logit_bias` and `max_tokens`, a request-supplied chat template on chat, and 20k-deep JSON are in the
-conformance suite, tests/test_openai_api.py.)
+conformance suite, tests/openai_api/.)
 """
 
 from __future__ import annotations

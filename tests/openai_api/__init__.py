@@ -1,0 +1,1 @@
+"""OpenAI-API conformance of the pagedserve ingress: one app, deployed once for the whole package."""

@@ -1,0 +1,217 @@
+"""The RayService's serveConfigV2 deployed for real with the Serve CLI on a local Ray head, sized for a CPU box,
+and answering OpenAI requests with the metrics the Grafana dashboard queries."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from configs.app_config import AppConfig
+from tests.helpers import free_ports
+from tests.k8s_schema import REPO, VENV_BIN, dashboard_exprs, serve_config
+
+# --- 3. the serveConfigV2 deployed on a real local Ray head --------------------------------------------------
+
+
+def cpu_applications(model: str, port: int) -> dict[str, Any]:
+    """The manifest's Serve config, sized for this CPU box; code comes from the checkout, not a URL."""
+    applications = copy.deepcopy(serve_config()["applications"])
+    for app in applications:
+        app["runtime_env"] = {}
+        args = app["args"]
+        args["model"].update(name=model, device="cpu", dtype="float32")
+        args["cache"].update(num_kv_blocks=64)
+        args["parallel"].update(worker_num_cpus=0.5, num_threads=1)
+        args["serve"].update(ingress_replicas=1)  # one tokenizer process on 2 cores is enough
+        AppConfig.model_validate(args)
+    return {"http_options": {"host": "127.0.0.1", "port": port}, "applications": applications}
+
+
+class LocalRayHead:
+    """`ray start --head --block` in its own session and temp dir: stopping it touches no other Ray on the box
+    (`ray stop` would stop every Ray of this user)."""
+
+    def __init__(self, temp_dir: Path, env: dict[str, str]):
+        ports = free_ports(7)
+        self.gcs_port, self.dashboard_port = ports[:2]
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.temp_dir, self.env = temp_dir, {**env, "RAY_ADDRESS": f"127.0.0.1:{self.gcs_port}"}
+        command = [
+            str(VENV_BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            # Every other fixed default port could collide with another test's Ray on this machine.
+            f"--ray-client-server-port={ports[2]}",
+            f"--dashboard-agent-listen-port={ports[3]}",
+            f"--dashboard-agent-grpc-port={ports[4]}",
+            f"--metrics-export-port={ports[5]}",
+            f"--runtime-env-agent-port={ports[6]}",
+            "--num-cpus=8",
+            "--num-gpus=0",
+            f"--object-store-memory={256 * 2**20}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]
+        self.log = (temp_dir / "ray-start.log").open("w")
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(VENV_BIN / "serve"), *args, "--address", self.dashboard],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def wait_for_dashboard(self, headers: dict[str, str], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log_tail()
+            try:
+                if httpx.get(f"{self.dashboard}/api/version", headers=headers, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"the Ray dashboard did not answer within {timeout:.0f}s\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        return (self.temp_dir / "ray-start.log").read_text()[-3000:]
+
+    def serve_logs_tail(self) -> str:
+        """The end of every Serve replica's log: why an application did not come up."""
+        logs = sorted((self.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"))
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs)
+
+    def stop(self) -> None:
+        # SIGTERM makes `ray start --block` stop the processes it started; SIGKILL to its group mops up the rest.
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def local_ray_head(tiny_model_dir: Path) -> Iterator[LocalRayHead]:
+    """A Ray head of our own; the tiny model is built before it, so replicas never race to build it."""
+    # A short path: Ray's unix sockets live under the temp dir and sun_path holds 107 bytes.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayk8s-", dir="/tmp"))
+    token = secrets.token_hex(32)
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        # A token of our own for this head and its CLI calls: no shared ~/.ray/auth_token, no open cluster.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        # Teardown: SIGTERM would otherwise drain the node for Serve first, which only matters with live traffic.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        # No working_dir: Serve imports serve_app from the checkout.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("RAY_ADDRESS", None)
+    head = LocalRayHead(temp_dir, env)
+    try:
+        head.wait_for_dashboard({"Authorization": f"Bearer {token}"})
+        yield head
+    finally:
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.cli("shutdown", "-y", timeout=60)
+        finally:
+            head.stop()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def application_status(head: LocalRayHead, app_name: str) -> tuple[str, str]:
+    result = head.cli("status", timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    status = (yaml.safe_load(result.stdout) or {}).get("applications", {}).get(app_name, {})
+    return status.get("status", "NOT_STARTED"), result.stdout
+
+
+@pytest.mark.serve
+@pytest.mark.subprocess
+def test_serve_config_deploys_with_the_serve_cli(local_ray_head: LocalRayHead) -> None:
+    from model_executor.tiny_model import TINY_ALIAS
+
+    started = time.monotonic()
+    http_port = free_ports(1)[0]
+    config = cpu_applications(TINY_ALIAS, http_port)
+    config_path = local_ray_head.temp_dir / "serve-config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    deploy = local_ray_head.cli("deploy", str(config_path))
+    assert deploy.returncode == 0, deploy.stdout[-2000:] + deploy.stderr[-2000:]
+
+    app_name = config["applications"][0]["name"]
+    deadline, status, report = time.monotonic() + 180, "NOT_STARTED", ""
+    while time.monotonic() < deadline:
+        status, report = application_status(local_ray_head, app_name)
+        if status in ("RUNNING", "DEPLOY_FAILED", "UNHEALTHY"):
+            break
+        time.sleep(2)
+    assert status == "RUNNING", f"{report}\n{local_ray_head.serve_logs_tail()}"
+    print(f"serve deploy -> RUNNING in {time.monotonic() - started:.1f}s")
+
+    base = f"http://127.0.0.1:{http_port}"
+    with httpx.Client(base_url=base, timeout=60) as client:
+        models = client.get("/v1/models")
+        assert models.status_code == 200, models.text
+        model_ids = [model["id"] for model in models.json()["data"]]
+        assert model_ids == [TINY_ALIAS]
+        completion = client.post(
+            "/v1/completions",
+            json={"model": TINY_ALIAS, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        )
+        assert completion.status_code == 200, completion.text
+        body = completion.json()
+        assert isinstance(body["choices"][0]["text"], str) and body["usage"]["completion_tokens"] == 4
+        print(f"/v1/models {model_ids}; completion {body['choices'][0]['text']!r} {body['usage']}")
+        # The dashboard's metric names, as this deployment exposes them after one request.
+        exposed = client.get("/metrics").text
+    # Every family the dashboard queries is exposed; counters appear once first incremented, so only the
+    # ones this request must have moved are required to carry samples.
+    for expr in dashboard_exprs():
+        for name in re.findall(r"vllm:[a-z0-9_]+", expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name)  # a histogram's TYPE line names its base
+            assert f"# TYPE {family} " in exposed, f"{family} missing from /metrics"
+    for sample in (
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_success_total",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+    ):
+        assert re.search(rf'^{re.escape(sample)}\{{.*model_name="{TINY_ALIAS}"', exposed, re.MULTILINE), sample
