@@ -31,6 +31,12 @@ ENGINE_SECTIONS: dict[str, type[Section]] = {
 }
 
 
+# vLLM's keyword arguments that are a value of one of our keys: LLM(enforce_eager=True) == runtime.cuda_graphs "off".
+VLLM_KEYWORD_ALIASES: dict[str, tuple[str, str, dict[Any, Any]]] = {
+    "enforce_eager": ("runtime", "cuda_graphs", {True: "off", False: "auto"}),
+}
+
+
 def section_of_key(key: str) -> str | None:
     """The engine section that declares a flat key (`block_size` -> `cache`; `model` means `model.name`)."""
     if key == "model":
@@ -61,6 +67,11 @@ class EngineConfig(Section):
         for key, value in values.items():
             if key == "model" and isinstance(value, str | Path):
                 flat.setdefault("model", {})["name"] = str(value)
+            elif key in VLLM_KEYWORD_ALIASES:
+                section_name, our_key, values_by_theirs = VLLM_KEYWORD_ALIASES[key]
+                if value not in values_by_theirs:
+                    raise ValueError(f"{key} must be one of {sorted(values_by_theirs, key=str)}, got {value!r}")
+                flat.setdefault(section_name, {})[our_key] = values_by_theirs[value]
             elif key in cls.model_fields:
                 nested[key] = value
             elif (section_name := section_of_key(key)) is not None:

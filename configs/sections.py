@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# vLLM's --dtype spellings that name the same precision.
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+# The CPU's KV cache when the user names no budget (GPUs size theirs from gpu_memory_utilization).
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
 # Environment variables that set a default (for processes the user does not configure directly); code reads the config.
 DISABLE_CPU_KERNELS_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 KEEP_FREED_MEMORY_ENV = "PAGEDSERVE_KEEP_FREED_MEMORY"
@@ -30,13 +34,32 @@ class ModelConfig(Section):
     )
     max_model_len: int | None = Field(None, ge=16, description="Context length; defaults to the model's own.")
     seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="auto: the model's generation_config.json supplies default temperature, top_p, top_k, "
+        "repetition_penalty and max_tokens for requests that omit them; vllm: ignore it (vLLM's own defaults).",
+    )
+    max_logprobs: int = Field(20, ge=0, description="Most logprobs (and top_logprobs) a request may ask for.")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _canonical_dtype(cls, value: object) -> object:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 class CacheConfig(Section):
     """The paged KV cache."""
 
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
-    kv_cache_memory_gib: float = Field(1.0, gt=0, description="Memory budget for the KV cache, in GiB.")
+    kv_cache_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description=f"KV cache budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE idea). None: {DEFAULT_CPU_KV_CACHE_GIB} on "
+        "CPU; on CUDA what gpu_memory_utilization leaves after the weights and a profiled peak step.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of the GPU's memory this engine may use (weights, activations, KV cache)."
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks; overrides the budget.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
 
@@ -71,6 +94,11 @@ class SchedulerConfig(Section):
 
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget of one engine step (chunked prefill).")
     max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="Split long prompts into budget-sized chunks that share steps with decodes; off: a prompt is "
+        "prefilled whole in one step (max_num_batched_tokens must then hold max_model_len).",
+    )
     max_waiting_requests: int = Field(
         1024, ge=1, description="Most sequences queued for admission; beyond it requests are refused (503)."
     )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from configs.engine_config import EngineConfig
+from configs.sections import DEFAULT_CPU_KV_CACHE_GIB
 from executor.heap import freeze_startup_heap, keep_freed_memory
 from executor.step_channel import open_step_listener
 from model_executor.model_fetch import resolve_model
@@ -153,7 +154,8 @@ class ModelWorker:
                 self.config.runtime.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs
             ),
         )
-        return self.runner.num_kv_blocks_for_budget(int(self.config.cache.kv_cache_memory_gib * 2**30))
+        budget_gib = self.config.cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB
+        return self.runner.num_kv_blocks_for_budget(int(budget_gib * 2**30))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._on_compute(self._allocate_kv_cache, num_blocks)

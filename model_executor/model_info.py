@@ -66,6 +66,28 @@ def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
     return frozenset(eos)
 
 
+# generation_config.json keys a request inherits when it omits them (HF name -> our sampling parameter).
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """Sampling defaults the model's authors ship in generation_config.json, as our parameter names; {} if none.
+    As vLLM does, `do_sample` is not read: a shipped temperature is the default whatever it says."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    shipped = json.loads(path.read_text())
+    present = {theirs: ours for theirs, ours in GENERATION_DEFAULT_KEYS.items() if shipped.get(theirs) is not None}
+    return {ours: shipped[theirs] for theirs, ours in present.items()}
+
+
 def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
