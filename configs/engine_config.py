@@ -92,6 +92,18 @@ class EngineConfig(Section):
             raise ValueError("async_scheduling needs tensor_parallel_size = pipeline_parallel_size = 1")
         return self
 
+    @model_validator(mode="after")
+    def _check_unchunked_prefill_budget(self) -> EngineConfig:
+        scheduler, max_model_len = self.scheduler, self.model.max_model_len
+        # Without chunking a prompt prefills in one step: a step smaller than the context could never run a long one.
+        if not scheduler.enable_chunked_prefill and max_model_len and scheduler.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens {scheduler.max_num_batched_tokens} is smaller than max_model_len "
+                f"{max_model_len}: with enable_chunked_prefill off a prompt is prefilled whole in one step; raise "
+                f"max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or turn chunked prefill on"
+            )
+        return self
+
     def uses_async_scheduling(self) -> bool:
         """Whether the scheduler actor plans the next step while the workers run this one."""
         if self.scheduler.async_scheduling is not None:

@@ -93,21 +93,39 @@ def fit_context_to_kv_cache(model_info: ModelInfo, config: EngineConfig, num_kv_
         return model_info
     if config.model.max_model_len is not None:
         raise ValueError(
-            f"max_model_len {config.model.max_model_len} is larger than the KV cache can hold ({capacity} tokens in "
-            f"{num_kv_blocks} blocks of {config.cache.block_size}); raise kv_cache_memory_gib or lower max_model_len."
+            f"max_model_len {config.model.max_model_len} is larger than the KV cache can ever hold: {capacity} tokens "
+            f"({num_kv_blocks} blocks of {config.cache.block_size}); raise cache.kv_cache_memory_gib (or, on a GPU, "
+            f"cache.gpu_memory_utilization) or lower max_model_len to at most {capacity}."
         )
     logger.warning("max_model_len lowered from %d to %d to fit the KV cache", model_info.max_model_len, capacity)
     return dataclasses.replace(model_info, max_model_len=capacity)
+
+
+def log_kv_cache_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Once at start-up, as vLLM does: the cache's size in tokens and how many full-length requests it holds at once."""
+    max_concurrency = num_kv_blocks / -(-max_model_len // block_size)
+    logger.info(
+        "KV cache size: %d blocks, %d tokens. Maximum concurrency for %d tokens per request: %.2fx",
+        num_kv_blocks,
+        num_kv_blocks * block_size,
+        max_model_len,
+        max_concurrency,
+    )
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, executor: Executor, engine_index: int = 0):
         self.config = config
         self.executor = executor
-        self.model_info = fit_context_to_kv_cache(model_info, config, executor.num_kv_blocks)
-        self.scheduler = Scheduler(
-            config, executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
-        )
+        try:
+            self.model_info = fit_context_to_kv_cache(model_info, config, executor.num_kv_blocks)
+            self.scheduler = Scheduler(
+                config, executor.num_kv_blocks, self.model_info.max_model_len, self.model_info.eos_token_ids
+            )
+        except Exception:
+            executor.shutdown()  # a refused configuration must not leave worker actors and their GPUs behind
+            raise
+        log_kv_cache_capacity(executor.num_kv_blocks, config.cache.block_size, self.model_info.max_model_len)
         self.metrics = EngineMetrics(config.model_name, engine_index)
         self.children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.sequence_owner: dict[str, tuple[str, int]] = {}

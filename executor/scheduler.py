@@ -3,7 +3,8 @@
 There is no prefill phase or decode phase: each request has num_computed_tokens, and every step the scheduler
 decides how many tokens each request advances, under max_num_batched_tokens and max_num_seqs. Chunked
 prefill, prefix caching and recompute preemption fall out of that loop. With prioritize_prefill the loop visits
-prompts (half done, then waiting) before running decodes while the cache has room.
+prompts (half done, then waiting) before running decodes while the cache has room. With enable_chunked_prefill off
+a waiting request is admitted only when every token it has left to compute fits the step's remaining budget.
 
 Progress advances when a step is scheduled, not when it returns, so the next step can be planned while this one
 runs (async scheduling): a token a step in flight will sample is a placeholder until its result comes back. A
@@ -35,6 +36,18 @@ logger = logging.getLogger(__name__)
 MAX_DRAFT_BACKOFF_STEPS = 16
 
 
+def check_chunked_prefill_budget(enable_chunked_prefill: bool, max_num_batched_tokens: int, max_model_len: int) -> None:
+    """Without chunked prefill a prompt (or a preempted request's tokens) runs whole in one step: the step must hold
+    the longest context. Raises ValueError naming both numbers (vLLM's check)."""
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens {max_num_batched_tokens} is smaller than max_model_len {max_model_len}: with "
+            "enable_chunked_prefill off a prompt is prefilled whole in one step, so a longer one could never run; "
+            f"raise max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or turn "
+            "enable_chunked_prefill on."
+        )
+
+
 @dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request: tokens it gained, and whether it is done."""
@@ -52,12 +65,15 @@ class Scheduler:
         self.prioritize_prefill = config.scheduler.prioritize_prefill
         # One rank samples and is the only one that needs the tokens: it appends them itself.
         self.runner_keeps_sampled_tokens = config.world_size == 1
-        if max_model_len > num_kv_blocks * config.cache.block_size:
+        self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
+        capacity = num_kv_blocks * config.cache.block_size
+        if max_model_len > capacity:
             # A request that outgrew the whole cache could only be preempted, forever.
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the KV cache "
-                f"({num_kv_blocks} blocks of {config.cache.block_size})"
+                f"max_model_len {max_model_len} is larger than the KV cache can ever hold: {capacity} tokens "
+                f"({num_kv_blocks} blocks of {config.cache.block_size}); raise the cache's size or lower max_model_len"
             )
+        check_chunked_prefill_budget(self.enable_chunked_prefill, self.max_num_batched_tokens, max_model_len)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache = KVCacheManager(num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -210,7 +226,11 @@ class Scheduler:
             if request.num_output_placeholders and self._speculates(request):
                 continue  # a step ahead would be one token; after the step in flight, drafts can go too
             drafts = self._propose_drafts(request, token_budget)
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, token_budget)
+            num_new = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if num_new > token_budget:
+                if not self.enable_chunked_prefill:
+                    continue  # never split (admission ran the prompt whole; a decode is one token)
+                num_new = token_budget
             num_new += len(drafts)
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             while new_block_ids is None and allow_preemption:
@@ -260,7 +280,11 @@ class Scheduler:
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(
                 request, allow_sharing=request.gate_request_id is not None
             )
-            num_new = min(request.num_tokens - num_cached, token_budget)
+            num_new = request.num_tokens - num_cached
+            if num_new > token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # whole or not at all; the queue keeps its order (vLLM's behaviour)
+                num_new = token_budget
             new_block_ids = self.kv_cache.allocate_slots(request, num_new, computed_blocks, num_cached)
             if new_block_ids is None:
                 break

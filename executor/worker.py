@@ -32,6 +32,33 @@ from model_executor.step_plan import StepPlan, StepResult
 logger = logging.getLogger(__name__)
 
 
+def kv_cache_memory_bytes(
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    weights_bytes: int,
+    peak_activation_bytes: int,
+    non_torch_bytes: int,
+) -> int:
+    """vLLM's KV-cache budget on a GPU: the share of its memory this engine may use, less what the weights, the peak
+    step's activations and memory outside torch's allocator take. Raises ValueError when nothing is left."""
+    requested = int(total_bytes * gpu_memory_utilization)
+    non_kv_cache = weights_bytes + peak_activation_bytes + non_torch_bytes
+    budget = requested - non_kv_cache
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory is left for the KV cache: gpu_memory_utilization {gpu_memory_utilization} of "
+            f"{_gib(total_bytes)} GiB is {_gib(requested)} GiB, and {_gib(non_kv_cache)} GiB of it is taken (weights "
+            f"{_gib(weights_bytes)} GiB, peak activations {_gib(peak_activation_bytes)} GiB, outside torch "
+            f"{_gib(non_torch_bytes)} GiB); raise gpu_memory_utilization, lower max_num_batched_tokens or "
+            "max_num_seqs, or set cache.kv_cache_memory_gib"
+        )
+    return budget
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f}"
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
@@ -140,6 +167,10 @@ class ModelWorker:
 
     def _load_model(self, show_progress: bool) -> int:
         parallel = getattr(self, "parallel", None) or ParallelContext()
+        torch_bytes_before_load = (0, 0)
+        if self.model_info.device == "cuda":
+            torch.cuda.empty_cache()
+            torch_bytes_before_load = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         self.runner = ModelRunner(
             self.model_info,
             self.config.cache.block_size,
@@ -154,8 +185,45 @@ class ModelWorker:
                 self.config.runtime.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs
             ),
         )
-        budget_gib = self.config.cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB
-        return self.runner.num_kv_blocks_for_budget(int(budget_gib * 2**30))
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks  # the executor takes this over any budget: nothing to size or profile
+        if cache.kv_cache_memory_gib is None and self.model_info.device == "cuda":
+            budget_bytes = self._profile_kv_cache_budget(*torch_bytes_before_load)
+        else:
+            budget_bytes = int((cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB) * 2**30)
+        return self.runner.num_kv_blocks_for_budget(budget_bytes)
+
+    def _profile_kv_cache_budget(self, allocated_before_load: int, reserved_before_load: int) -> int:
+        """vLLM's sizing: run the largest step the scheduler can plan, measure the peak, and give the KV cache what
+        gpu_memory_utilization leaves of the GPU after the weights, that peak and memory outside torch."""
+        scheduler = self.config.scheduler
+        weights_bytes = torch.cuda.memory_allocated() - allocated_before_load
+        peak_activation_bytes = self.runner.profile_run(
+            scheduler.max_num_batched_tokens, scheduler.max_num_seqs, self.config.model.max_logprobs
+        )
+        torch.cuda.empty_cache()
+        free_bytes, total_bytes = torch.cuda.mem_get_info()
+        # Everything in use on the GPU that this engine's torch allocator did not take since it started: the CUDA
+        # context, NCCL's buffers, other processes (and tensors this process held before the model loaded).
+        non_torch_bytes = max(0, (total_bytes - free_bytes) - (torch.cuda.memory_reserved() - reserved_before_load))
+        budget = kv_cache_memory_bytes(
+            total_bytes, self.config.cache.gpu_memory_utilization, weights_bytes, peak_activation_bytes, non_torch_bytes
+        )
+        logger.info(
+            "memory profile: %s GiB x gpu_memory_utilization %s = %s GiB; weights %s GiB, peak activations %s GiB "
+            "(%d tokens in %d sequences), outside torch %s GiB; KV cache %s GiB",
+            _gib(total_bytes),
+            self.config.cache.gpu_memory_utilization,
+            _gib(total_bytes * self.config.cache.gpu_memory_utilization),
+            _gib(weights_bytes),
+            _gib(peak_activation_bytes),
+            scheduler.max_num_batched_tokens,
+            min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens),
+            _gib(non_torch_bytes),
+            _gib(budget),
+        )
+        return budget
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._on_compute(self._allocate_kv_cache, num_blocks)

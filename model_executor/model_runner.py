@@ -82,11 +82,7 @@ class ModelRunner:
         return max(1, memory_bytes // self.kv_cache_bytes_per_block())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.num_kv_blocks = num_blocks
-        self.kv_caches = [
-            self.attention_backend.allocate_kv_cache(num_blocks, self.block_size, self.model_info.dtype, self.device)
-            for _ in range(self.model.num_local_layers)
-        ]
+        self._allocate_kv_caches(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB on this rank)",
             num_blocks,
@@ -135,6 +131,59 @@ class ModelRunner:
             prompt_len,
             time.perf_counter() - started,
         )
+
+    def profile_run(self, max_num_batched_tokens: int, max_num_seqs: int, max_logprobs: int) -> int:
+        """vLLM's profile run, on CUDA before the KV cache is sized: the largest step the scheduler can plan
+        (max_num_batched_tokens prompt tokens over up to max_num_seqs sequences, each sampling with every sampler
+        stage on) over a scratch cache just big enough for it. Returns the step's peak torch memory above what was
+        allocated before it (the scratch cache excluded) on CUDA; elsewhere it runs the step and returns 0."""
+        num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+        # The step's tokens split evenly; a step never runs more of a sequence than its context holds.
+        share, remainder = divmod(max_num_batched_tokens, num_seqs)
+        seq_lens = [min(share + (index < remainder), self.model_info.max_model_len) for index in range(num_seqs)]
+        blocks_per_seq = -(-max(seq_lens) // self.block_size)
+        params = SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.01,
+            repetition_penalty=1.1,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            logprobs=min(max_logprobs, self.model_info.vocab_size) or None,
+            max_tokens=1,
+        )
+        token_id = min(100, self.model_info.hf_config.vocab_size - 1)
+        request_ids = [f"profile-{index}" for index in range(num_seqs)]
+        starts = range(0, num_seqs * blocks_per_seq, blocks_per_seq)
+        block_ids = [list(range(start, start + blocks_per_seq)) for start in starts]
+        new_requests = [
+            NewRequestData(request_id, [token_id] * seq_len, [], params, blocks, 0)
+            for request_id, seq_len, blocks in zip(request_ids, seq_lens, block_ids)
+        ]
+        self._allocate_kv_caches(num_seqs * blocks_per_seq)
+        on_cuda = self.device.type == "cuda"
+        peak = 0
+        try:
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                allocated_before = torch.cuda.memory_allocated(self.device)
+            self.execute(StepPlan(new_requests, num_scheduled_tokens=dict(zip(request_ids, seq_lens))))
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
+        finally:
+            self.execute(StepPlan(finished_request_ids=request_ids))
+            self.kv_caches, self.num_kv_blocks = [], 0
+        return peak
+
+    def _allocate_kv_caches(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = [
+            self.attention_backend.allocate_kv_cache(num_blocks, self.block_size, self.model_info.dtype, self.device)
+            for _ in range(self.model.num_local_layers)
+        ]
 
     def _prepare_decode_graphs(self) -> None:
         """Decode steps of up to cuda_graph_max_batch_size requests run padded to a bucket; on CUDA, as graphs."""
