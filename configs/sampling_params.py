@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 # Below this temperature a request is sampled greedily (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -52,7 +51,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     logprobs: int | None = None
-    """Return the sampled token's logprob plus this many top alternatives per position (0..20)."""
+    """Return the sampled token's logprob plus this many top alternatives per position (0 up to the engine's
+    model.max_logprobs, which `verify_max_logprobs` checks)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,8 +96,8 @@ class SamplingParams:
             fail("stop", "a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail("logprobs", f"in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            fail("logprobs", "an integer >= 0", self.logprobs)
         # torch generators take seeds in [-2**63, 2**64 - 1]; completion i of n uses seed + i.
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
             fail("seed", f"an integer in [-2**63, 2**64 - n] (n = {self.n})", self.seed)
@@ -114,6 +114,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def verify_max_logprobs(self, max_logprobs: int, param: str = "logprobs") -> None:
+        """Reject more logprobs than the engine's model.max_logprobs allows (`param`: the request's name for them)."""
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"{param} must be at most {max_logprobs} (model.max_logprobs), got {self.logprobs}.")
 
     def verify_against_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model does not have (logit_bias keys, stop_token_ids)."""

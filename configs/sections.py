@@ -36,10 +36,12 @@ class ModelConfig(Section):
     seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")
     generation_config: Literal["auto", "vllm"] = Field(
         "auto",
-        description="auto: the model's generation_config.json supplies default temperature, top_p, top_k, "
+        description="auto: the model's generation_config.json supplies default temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_tokens for requests that omit them; vllm: ignore it (vLLM's own defaults).",
     )
-    max_logprobs: int = Field(20, ge=0, description="Most logprobs (and top_logprobs) a request may ask for.")
+    max_logprobs: int = Field(
+        20, ge=0, description="Most logprobs (and top_logprobs) a request may ask for (a 400 above it)."
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from executor.executors import RayExecutor
 from executor.heap import freeze_startup_heap, thaw_heap
 from executor.output_router import OUTPUT_POLL_TIMEOUT_S, OutputRouter
 from executor.outputs import EngineInfo, EngineStats, EngineTopology
+from executor.stats_logger import LoggingStatLogger
 from model_executor.model_fetch import resolve_model
 from model_executor.model_info import load_model_info
 
@@ -99,6 +100,8 @@ class EngineActor:
         self.watcher_task: asyncio.Task | None = None
         self.rebuild_task: asyncio.Task | None = None
         self.output_server_task: asyncio.Task | None = None
+        self.stats_logger = LoggingStatLogger(engine_index)
+        self.stats_task: asyncio.Task | None = None
         self.new_work = asyncio.Event()
         self.dead_reason: str | None = None
         self.draining = False
@@ -146,6 +149,8 @@ class EngineActor:
         except Exception as error:
             self.dead_reason = f"engine failed to start: {short_reason(error)}"
             raise
+        # vLLM's periodic stats line, from a timer of its own (no work in the step loop); it follows rebuilds.
+        self.stats_task = background_task(self.stats_logger.run(lambda: self.core))
         freeze_startup_heap("scheduler actor")
 
     async def _ensure_running(self) -> None:
@@ -436,7 +441,7 @@ class EngineActor:
         return num_failed
 
     async def shutdown(self) -> None:
-        for task in (self.loop_task, self.watcher_task):
+        for task in (self.loop_task, self.watcher_task, self.stats_task):
             if task is not None:
                 task.cancel()
         if self.output_server_task is not None and self.output_server_task.done():

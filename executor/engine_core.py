@@ -157,6 +157,7 @@ class EngineCore:
             )
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
+        params.verify_max_logprobs(self.config.model.max_logprobs)
         first_child = child_request_id(request_id, 0)
         child_ids = []
         for index in range(params.n):

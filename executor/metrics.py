@@ -86,6 +86,12 @@ class EngineMetrics:
             for metric in self._labelled(metrics, **labels):
                 metric.inc(amount)
 
+    def total(self, metrics: list) -> float:
+        """A counter's value now (read by the periodic stats line, never per step)."""
+        name = metrics[0].describe()[0].name
+        labels = {"model_name": self.model_name, "engine": self.engine}
+        return self.registry.get_sample_value(f"{name}_total", labels) or 0.0
+
     def update(self, stats: CoreStats) -> None:
         """Gauges now, and the scheduler's cumulative counts turned into counter increments."""
         for metrics, value in (

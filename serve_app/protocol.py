@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_serializer
@@ -56,8 +57,18 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the parameter when a value is out of range."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """Raises ValueError naming the parameter when a value is out of range. `defaults`: the model's
+        generation_config.json values for the sampling fields the request omits or sets to null (as vLLM does);
+        `max_tokens` comes resolved (see `explicit_max_tokens`)."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         logit_bias = None
         if self.logit_bias:
             try:
@@ -67,14 +78,14 @@ class SamplingFields(OpenAIBaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=logit_bias,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -93,6 +104,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
 
+    def explicit_max_tokens(self) -> int | None:
+        """The max_tokens the client sent; None when it left it out (OpenAI's 16 applies) or sent null."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
+
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -106,6 +121,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    def explicit_max_tokens(self) -> int | None:
+        """The client's limit: max_completion_tokens (OpenAI's current name) before the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class TokenizeRequest(OpenAIBaseModel):

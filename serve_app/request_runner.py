@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from configs.sampling_params import SamplingParams
@@ -35,16 +35,20 @@ class RequestRunner:
         self.processor = processor
         self.timeout_s = timeout_s
 
-    async def submit(self, base_id: str, prompts: list[Prompt], params: SamplingParams) -> list[Submission]:
-        """Queue every prompt in an engine before any response starts: refusals stay plain HTTP errors."""
+    async def submit(
+        self, base_id: str, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Submission]:
+        """Queue every prompt in an engine before any response starts: refusals stay plain HTTP errors. `params`:
+        one for every prompt, or one per prompt (they may differ in max_tokens only)."""
+        params_per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         submissions: list[Submission] = []
         try:
-            for prompt_index, (prompt, token_ids) in enumerate(prompts):
+            for prompt_index, ((prompt, token_ids), prompt_params) in enumerate(zip(prompts, params_per_prompt)):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}"
                 client = self.router.pick(token_ids)
-                state = self.processor.add_request(request_id, prompt, token_ids, params)
+                state = self.processor.add_request(request_id, prompt, token_ids, prompt_params)
                 submissions.append(Submission(request_id, prompt_index, client, state))
-                await client.submit(request_id, token_ids, params)
+                await client.submit(request_id, token_ids, prompt_params)
         except BaseException as error:
             self.release(submissions)
             if isinstance(error, ValueError):

@@ -4,16 +4,21 @@ a stream of chunk models) out. No HTTP here: the ingress turns what these return
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from configs.app_config import ServeConfig
+from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import validate_prompt
 from executor.outputs import EngineInfo
+from model_executor.model_fetch import resolve_model
+from model_executor.model_info import read_generation_defaults
 from serve_app.chat_template import ChatTemplate, refuse_request_templates
 from serve_app.logprobs import LogprobFormatter
 from serve_app.protocol import (
@@ -40,6 +45,32 @@ from serve_app.protocol import (
 )
 from serve_app.request_runner import Prompt, RequestRunner, Submission
 from serve_app.validation import PromptLengthLimit, RequestError, check_model, parameter_named_in
+
+logger = logging.getLogger(__name__)
+
+
+def generation_defaults(engine_config: EngineConfig) -> dict[str, Any]:
+    """The sampling defaults a request inherits for the fields it omits: with model.generation_config auto, those of
+    the model's generation_config.json that are valid sampling values; with vllm, none. Logged once, as vLLM does."""
+    if engine_config.model.generation_config == "vllm":
+        return {}
+    shipped = read_generation_defaults(resolve_model(engine_config.model.name))
+    defaults = {}
+    for name, value in shipped.items():
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError) as error:
+            # A bad value in the model's file must not turn every request that omits the field into a 400.
+            logger.warning("ignoring the model's generation config %s=%r: %s", name, value, error)
+            continue
+        defaults[name] = value
+    if defaults:
+        logger.info(
+            "Default sampling parameters have been overridden by the model's generation config: %s "
+            "(set model.generation_config: vllm to ignore it)",
+            defaults,
+        )
+    return defaults
 
 
 @dataclass(slots=True)
@@ -68,6 +99,8 @@ class OpenAIServing:
         self.settings = settings
         self.runner = runner
         self.tokenizer_thread = tokenizer_thread
+        self.max_logprobs = engine_info.engine_config.model.max_logprobs
+        self.generation_defaults = generation_defaults(engine_info.engine_config)
         self.length_limit = PromptLengthLimit.of(tokenizer, engine_info.max_model_len)
         self.chat_template = ChatTemplate(tokenizer, self.length_limit)
         self.logprobs = LogprobFormatter(tokenizer)
@@ -98,7 +131,10 @@ class OpenAIServing:
             raise RequestError(400, f"token id {bad[0]} is out of the vocabulary (size {vocab_size}).", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
-    def _sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, body: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str
+    ) -> SamplingParams:
+        """`logprobs_param`: the request's name for `logprobs`, for the error."""
         settings = self.settings
         if body.n > settings.max_n:
             raise RequestError(400, f"n must be at most {settings.max_n}, got {body.n}.", param="n")
@@ -111,9 +147,38 @@ class OpenAIServing:
         if body.stream_options is not None and not body.stream:
             raise RequestError(400, "stream_options can only be set when stream is true.", param="stream_options")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, self.generation_defaults)
         except ValueError as error:
             raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
+        try:
+            params.verify_max_logprobs(self.max_logprobs, logprobs_param)
+        except ValueError as error:
+            raise RequestError(400, str(error), param=logprobs_param) from error
+        return params
+
+    def _max_tokens(self, explicit: int | None, fallback: int | None) -> tuple[int | None, bool]:
+        """(max_tokens, whether the model's generation config chose it): the client's own, else the model's
+        default, else `fallback`."""
+        if explicit is None and "max_tokens" in self.generation_defaults:
+            return self.generation_defaults["max_tokens"], True
+        return (explicit if explicit is not None else fallback), False
+
+    def _params_per_prompt(
+        self, params: SamplingParams, prompts: list[Prompt], default_max_tokens: bool
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt. A max_tokens the model's generation config chose (the client set none) is
+        capped at the room each prompt leaves in the context, as vLLM does: nobody asked for more."""
+        per_prompt = []
+        for _, token_ids in prompts:
+            room = self.engine_info.max_model_len - len(token_ids)
+            if default_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
+                try:
+                    per_prompt.append(dataclasses.replace(params, max_tokens=room))
+                except ValueError as error:
+                    raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
+            else:
+                per_prompt.append(params)
+        return per_prompt
 
     async def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -129,9 +194,9 @@ class OpenAIServing:
             return list(zip(prompt, token_ids))
         return [(None, list(item)) for item in prompt]
 
-    def _validate_prompts(self, prompts: list[Prompt], params: SamplingParams) -> None:
+    def _validate_prompts(self, prompts: list[Prompt], params_per_prompt: list[SamplingParams]) -> None:
         """The engine's own checks, here, so a bad request is a 400 before anything reaches the scheduler."""
-        for _, token_ids in prompts:
+        for (_, token_ids), params in zip(prompts, params_per_prompt):
             try:
                 validate_prompt(token_ids, params, self.engine_info.max_model_len, self.engine_info.vocab_size)
             except ValueError as error:
@@ -145,12 +210,15 @@ class OpenAIServing:
         check_model(body.model, self.model_name)
         if body.echo and body.logprobs is not None:
             raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        # Without a model default: left out is OpenAI's 16 (body.max_tokens), null is up to the context.
+        max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), body.max_tokens)
+        params = self._sampling_params(body, max_tokens, body.logprobs, "logprobs")
         prompts = await self._completion_prompts(body.prompt)
-        self._validate_prompts(prompts, params)
+        params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
+        self._validate_prompts(prompts, params_per_prompt)
         completion_id = random_id("cmpl")
         created = now()
-        submissions = await self.runner.submit(completion_id, prompts, params)
+        submissions = await self.runner.submit(completion_id, prompts, params_per_prompt)
         if body.stream:
             chunks = self._completion_chunks(completion_id, created, prompts, submissions, params, body)
             return ChunkStream(chunks, submissions)
@@ -227,14 +295,15 @@ class OpenAIServing:
         prompt_token_ids = await self._tokenizing(
             self.chat_template.render, body.messages, body.add_generation_prompt, body.continue_final_message
         )
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs)
+        params = self._sampling_params(body, max_tokens, logprobs, "top_logprobs")
         prompts: list[Prompt] = [(None, prompt_token_ids)]
-        self._validate_prompts(prompts, params)
+        params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
+        self._validate_prompts(prompts, params_per_prompt)
         completion_id = random_id("chatcmpl")
         created = now()
-        submissions = await self.runner.submit(completion_id, prompts, params)
+        submissions = await self.runner.submit(completion_id, prompts, params_per_prompt)
         if body.stream:
             chunks = self._chat_chunks(completion_id, created, len(prompt_token_ids), submissions, params, body)
             return ChunkStream(chunks, submissions)

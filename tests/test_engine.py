@@ -191,7 +191,7 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_llm, prompt, params, mes
         ("max_tokens", 0, "max_tokens must be an integer >= 1"),
         ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\]"),
         ("repetition_penalty", 0.0, "repetition_penalty"),
-        ("logprobs", 21, "logprobs"),
+        ("logprobs", -1, "logprobs"),
         ("stop", [""], "stop"),
         ("logit_bias", {5: 500.0}, "logit_bias"),
     ],
