@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.serve, pytest.mark.subprocess]
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 600
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def write_tiny_config(directory: Path, serve_port: int) -> Path:
@@ -104,11 +105,15 @@ def test_deploy_then_batch_through_ray_job_submit(head):
     assert models["data"][0]["id"] == "tiny-random-llama"
 
     prompts = head["work_dir"] / "prompts.jsonl"
+    bodies = {
+        "a": {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
+        "b": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        "bad": {"prompt": [5], "max_tokens": 4, "temperature": -1},
+        "c": {"prompt": "hello there", "max_tokens": 2, "ignore_eos": True},
+    }
     lines = [
-        {"custom_id": "a", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
-        {"custom_id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        {"custom_id": "bad", "prompt": [5], "max_tokens": 4, "temperature": -1},
-        {"custom_id": "c", "prompt": "hello there", "max_tokens": 2, "ignore_eos": True},
+        {"custom_id": custom_id, "method": "POST", "url": CHAT if "messages" in body else COMPLETIONS, "body": body}
+        for custom_id, body in bodies.items()
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     results_path = head["work_dir"] / "results.jsonl"
@@ -116,17 +121,26 @@ def test_deploy_then_batch_through_ray_job_submit(head):
     batch_args += ["--input", str(prompts), "--output", str(results_path)]
     batch = submit(head, *batch_args)
     assert batch.returncode == 0, batch.stdout[-3000:] + batch.stderr[-3000:]
-    results = [json.loads(line) for line in results_path.read_text().splitlines()]
-    assert [record["id"] for record in results] == ["a", "b", "bad", "c"]  # input order
-    assert results[0]["response"]["usage"]["completion_tokens"] == 4
-    assert results[1]["response"]["object"] == "chat.completion"
-    assert results[2]["status"] == 400 and "temperature" in results[2]["error"]["message"]
-    assert results[3]["response"]["usage"]["completion_tokens"] == 2
+    results = read_results(results_path)
+    assert sorted(results) == ["a", "b", "bad", "c"]
+    assert results["a"]["response"]["body"]["usage"]["completion_tokens"] == 4
+    assert results["b"]["response"]["body"]["object"] == "chat.completion"
+    refused = results["bad"]["response"]
+    assert refused["status_code"] == 400 and "temperature" in refused["body"]["error"]["message"]
+    assert results["c"]["response"]["body"]["usage"]["completion_tokens"] == 2
 
-    # A rerun keeps finished lines and retries only the failed one.
-    first_response = results[0]["response"]
+    # A rerun keeps the finished requests and runs only the failed one again.
     rerun = submit(head, *batch_args)
     assert rerun.returncode == 0
-    assert "3 already done, 1 to run" in rerun.stdout + rerun.stderr
-    rerun_results = [json.loads(line) for line in results_path.read_text().splitlines()]
-    assert rerun_results[0]["response"] == first_response
+    assert "3 done in earlier runs, 1 to run" in rerun.stdout + rerun.stderr
+    rerun_results = read_results(results_path)
+    assert all(rerun_results[custom_id] == results[custom_id] for custom_id in ("a", "b", "c"))
+    assert rerun_results["bad"]["id"] != results["bad"]["id"]
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    """Output records by custom_id, each custom_id on one line."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_custom_id = {record["custom_id"]: record for record in records}
+    assert len(by_custom_id) == len(records)
+    return by_custom_id
