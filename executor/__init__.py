@@ -3,6 +3,6 @@
 from configs.sampling_params import SamplingParams
 from executor.engine import LLMEngine
 from executor.llm import LLM
-from executor.outputs import CompletionOutput, RequestOutput
+from executor.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import pickle
 from abc import ABC, abstractmethod
 
 from configs.engine_config import EngineConfig
+from configs.sections import ParallelConfig
 from executor.errors import EngineDeadError
 from executor.step_channel import StepChannel
 from executor.worker import ModelWorker
@@ -25,6 +27,32 @@ def default_threads_per_worker(config: EngineConfig) -> int:
     if config.parallel.num_threads:
         return config.parallel.num_threads
     return max(1, (os.cpu_count() or 1) // config.world_size)
+
+
+def embedded_ray_num_cpus(parallel: ParallelConfig, other_num_cpus: float = 0.0) -> int:
+    """Logical CPUs for a Ray this process starts: every worker bundle (and `other_num_cpus` for other actors, such
+    as the server's ingress) fits however few cores the machine has; each worker sets its torch threads apart."""
+    needed = parallel.worker_num_cpus * parallel.world_size + other_num_cpus
+    return max(math.ceil(needed) + 2, os.cpu_count() or 1)
+
+
+def start_ray_for_workers(config: EngineConfig) -> bool:
+    """Connect to RAY_ADDRESS, or start a local Ray sized for the config's workers, unless Ray is already up (the
+    server's scheduler actor, a user's `ray.init()`); True when this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("attaching to the Ray cluster at %s", address)
+        ray.init(address=address)
+        return False
+    num_cpus = embedded_ray_num_cpus(config.parallel)
+    logger.info("starting a local Ray with %d logical CPUs for %d model workers", num_cpus, config.world_size)
+    # "local": a new Ray of our size, never a head that some `ray start` left running (set RAY_ADDRESS for that).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    return True
 
 
 class Executor(ABC):
@@ -88,6 +116,7 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        start_ray_for_workers(config)
         self.config = config
         self.step_channels: list[StepChannel] = []
         use_gpu = model_info.device == "cuda"

@@ -1,33 +1,83 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, shaped as vLLM's `LLM`."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
-from collections.abc import Sequence
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 from tqdm import tqdm
 
-from configs.engine_config import DEFAULT_MODEL, EngineConfig
+from configs.engine_config import DEFAULT_MODEL, ENGINE_SECTIONS, VLLM_KEYWORD_ALIASES, EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine import LLMEngine
-from executor.outputs import RequestOutput
+from executor.engine_core import validate_prompt
+from executor.errors import EngineOverloadedError
+from executor.outputs import Logprob, RequestOutput, SampleLogprobs
+from model_executor.model_info import generation_defaults
 
-Prompt = str | Sequence[int]
+logger = logging.getLogger(__name__)
+
+# vLLM's prompt dicts: TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+Prompt = str | Mapping[str, Any] | Sequence[int]
 Message = dict[str, Any]
+
+
+@dataclass
+class _PendingRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def _check_engine_args(engine_args: Mapping[str, Any]) -> None:
+    """Unknown keyword arguments fail here, each named (with the closest known key), as an unknown argument does."""
+    known = {"model", *ENGINE_SECTIONS, *VLLM_KEYWORD_ALIASES}
+    known.update(key for section in ENGINE_SECTIONS.values() for key in section.model_fields)
+    for key in engine_args:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{hint}")
 
 
 class LLM:
     """Batch generation over the same engine the server uses.
 
-    `engine_args` are EngineConfig fields (max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...).
+    `engine_args` are EngineConfig keys, flat (tensor_parallel_size, pipeline_parallel_size, dtype, max_model_len,
+    gpu_memory_utilization, seed, max_num_seqs, enable_prefix_caching, ...) plus vLLM's `enforce_eager`.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, show_progress: bool = True, **engine_args: Any):
+        _check_engine_args(engine_args)
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(self.config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
+        self._default_sampling_params: dict[str, Any] | None = None
+        self._token_texts: dict[int, str] = {}
+
+    def get_tokenizer(self) -> Any:
+        """The HF tokenizer that encodes string prompts and decodes outputs."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the sampling defaults the model ships in
+        generation_config.json (vLLM's), or SamplingParams() under generation_config "vllm" or when it has none."""
+        if self._default_sampling_params is None:
+            self._default_sampling_params = generation_defaults(
+                self.engine.model_info.model_dir, self.config.model.generation_config
+            )
+        return SamplingParams(**self._default_sampling_params)
 
     def generate(
         self,
@@ -35,30 +85,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids.
+        """One RequestOutput per prompt, in order. A prompt is a string, {"prompt": str}, {"prompt_token_ids":
+        [ids]} or a list of token ids; `prompts` is one prompt or a list of them.
 
-        Raises ValueError naming the parameter on bad input, before any prompt of this call runs.
+        Raises TypeError on a prompt of another type, and ValueError naming the parameter on bad values, before any
+        prompt of this call runs.
         """
         prompt_list = self._as_prompt_list(prompts)
+        default_max_tokens = False
         if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
+            sampling_params = self.get_default_sampling_params()
+            default_max_tokens = "max_tokens" in (self._default_sampling_params or {})
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        elif isinstance(sampling_params, Sequence) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params_list = list(sampling_params)
+        else:
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
-        request_ids = [f"offline-{next(self._request_counter)}" for _ in prompt_list]
-        added: list[str] = []
-        try:
-            for request_id, prompt, params in zip(request_ids, prompt_list, params_list):
-                self.engine.add_request(request_id, prompt, params)
-                added.append(request_id)
-        except ValueError:
-            self.engine.abort_request(added)
-            raise
-        return self._run_to_completion(request_ids, use_tqdm)
+        pending = [
+            self._prepare(f"offline-{next(self._request_counter)}", prompt, params, default_max_tokens)
+            for prompt, params in zip(prompt_list, params_list)
+        ]
+        return self._run_to_completion(pending, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`); False, and nothing done, while
@@ -99,21 +151,121 @@ class LLM:
         # The template already holds any special tokens the model expects.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        prompt_list = list(prompts)
-        if prompt_list and all(isinstance(item, int) for item in prompt_list):
-            return [prompt_list]
-        return prompt_list
+    @staticmethod
+    def _is_token_ids(value: Any) -> bool:
+        return (
+            isinstance(value, Sequence)
+            and not isinstance(value, str | bytes)
+            and bool(value)
+            and all(isinstance(token_id, Integral) and not isinstance(token_id, bool) for token_id in value)
+        )
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str | Mapping) or self._is_token_ids(prompts):
+            return [prompts]
+        if isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
+            return list(prompts)
+        raise TypeError(
+            "prompts must be a string, a {'prompt': str} or {'prompt_token_ids': [int, ...]} dict, a list of token "
+            f"ids, or a list of these; got {type(prompts).__name__}"
+        )
+
+    def _prepare(
+        self, request_id: str, prompt: Any, params: SamplingParams, default_max_tokens: bool = False
+    ) -> _PendingRequest:
+        """Tokenize one prompt and run the engine's checks on it, so bad input fails before anything runs.
+
+        `default_max_tokens`: params.max_tokens is the model's default, not the caller's: capped at the room the
+        prompt leaves in the context (nobody asked for more), as the server does.
+        """
+        text: str | None = None
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+            if unknown:
+                raise ValueError(f"prompt key {unknown[0]!r} is not supported (use 'prompt' or 'prompt_token_ids')")
+            if len(prompt) != 1:
+                raise ValueError("a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids'")
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"'prompt' must be a string, got {type(prompt).__name__}")
+            else:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, Sequence) or isinstance(prompt, str | bytes):
+                    raise TypeError(f"'prompt_token_ids' must be a list of ints, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = self.engine.tokenize(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            bad = [token_id for token_id in prompt if not isinstance(token_id, Integral) or isinstance(token_id, bool)]
+            if bad:
+                raise TypeError(f"prompt token ids must be ints, got {bad[0]!r}")
+            token_ids = [int(token_id) for token_id in prompt]
+        else:
+            raise TypeError(
+                "each prompt must be a string, a {'prompt': str} or {'prompt_token_ids': [int, ...]} dict, or a list "
+                f"of token ids; got {type(prompt).__name__}"
+            )
+        info = self.engine.model_info
+        room = info.max_model_len - len(token_ids)
+        if default_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=room)
+        params.verify_max_logprobs(self.config.model.max_logprobs)
+        validate_prompt(token_ids, params, info.max_model_len, info.vocab_size)
+        if params.n > self.config.scheduler.max_waiting_requests:
+            raise ValueError(
+                f"n must be at most max_waiting_requests ({self.config.scheduler.max_waiting_requests}), got {params.n}"
+            )
+        return _PendingRequest(request_id, text, token_ids, params)
+
+    def _run_to_completion(self, pending: list[_PendingRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Feed the requests in as the engine's waiting queue has room (any number of prompts), step to the end."""
         finished: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
-        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as progress:
-            while wanted - finished.keys():
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
-                        progress.update(1)
-        return [finished[request_id] for request_id in request_ids]
+        queue = deque(pending)
+        added: list[str] = []
+        try:
+            with tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm) as progress:
+                while queue or len(finished) < len(added):
+                    while queue:
+                        request = queue[0]
+                        try:
+                            self.engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+                        except EngineOverloadedError:
+                            if not self.engine.has_unfinished_requests():
+                                raise  # nothing running could ever make room
+                            break  # the waiting queue is full of this call's requests: step until some start
+                        added.append(queue.popleft().request_id)
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            progress.update(1)
+        except BaseException:
+            # An interrupted or failed call leaves nothing behind to run in the next one.
+            self.engine.abort_request([request_id for request_id in added if request_id not in finished])
+            raise
+        outputs = []
+        for request in pending:
+            output = finished[request.request_id]
+            output.prompt = request.prompt
+            for completion in output.outputs:
+                if completion.logprobs is not None:
+                    completion.logprobs = self._as_sample_logprobs(completion.logprobs)
+            outputs.append(output)
+        return outputs
+
+    def _token_text(self, token_id: int) -> str:
+        # As vLLM's decoded_token: the token decoded alone (cached: the same ids recur across positions).
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _as_sample_logprobs(self, entries: list[Any]) -> SampleLogprobs:
+        """The sampler's TokenLogprobs as vLLM's per-position dicts: the sampled token first, then the top ones."""
+        sample_logprobs = []
+        for entry in entries:
+            position = {entry.token_id: Logprob(entry.logprob, entry.rank, self._token_text(entry.token_id))}
+            for top_rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
+                position.setdefault(token_id, Logprob(logprob, top_rank, self._token_text(token_id)))
+            sample_logprobs.append(position)
+        return sample_logprobs

@@ -53,7 +53,16 @@ class OutputProcessor:
         output = RequestOutput(request_id, prompt, list(prompt_token_ids))
         detokenizers = []
         for index in range(params.n):
-            output.outputs.append(CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None))
+            wants_logprobs = params.logprobs is not None
+            output.outputs.append(
+                CompletionOutput(
+                    index,
+                    "",
+                    [],
+                    logprobs=[] if wants_logprobs else None,
+                    cumulative_logprob=0.0 if wants_logprobs else None,
+                )
+            )
             detokenizers.append(
                 IncrementalDetokenizer(
                     self.tokenizer,
@@ -91,13 +100,18 @@ class OutputProcessor:
                 state.deltas = []
                 changed[engine_output.request_id] = state
             stop_string = None
+            num_kept = 0
             for token_id in engine_output.new_token_ids:
                 completion.token_ids.append(token_id)
+                num_kept += 1
                 stop_string = detokenizer.add_token(token_id)
                 if stop_string is not None:
                     break
             if completion.logprobs is not None:
-                completion.logprobs.extend(engine_output.new_logprobs)
+                # Only the kept tokens' entries: a stop string can end the completion inside a step of several tokens.
+                kept_logprobs = engine_output.new_logprobs[:num_kept]
+                completion.logprobs.extend(kept_logprobs)
+                completion.cumulative_logprob += sum(entry.logprob for entry in kept_logprobs)
             if stop_string is not None:
                 completion.finish_reason, completion.stop_reason = "stop", stop_string
                 if engine_output.finish_reason is None:

@@ -10,6 +10,20 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position of a completion, as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    """1-based: how many tokens are at least as likely."""
+    decoded_token: str | None = None
+
+
+# vLLM's shape of a completion's logprobs: per generated token, token id -> Logprob (the sampled token first).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     """One of the n completions of a prompt."""
 
@@ -21,7 +35,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the completion; None for eos or length."""
     logprobs: list[Any] | None = None
-    """Per generated token a model_executor.sampler.TokenLogprobs, when the request asked for logprobs."""
+    """When the request asked for logprobs, per generated token: from `LLM`, a dict token id -> Logprob (vLLM's
+    SampleLogprobs); from the engine and the server's output processor, a model_executor.sampler.TokenLogprobs."""
+    cumulative_logprob: float | None = None
+    """Sum of the generated tokens' logprobs when the request asked for logprobs (as vLLM: None otherwise)."""
 
     @property
     def finished(self) -> bool:

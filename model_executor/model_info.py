@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from transformers import AutoConfig
 
 from configs.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +89,32 @@ def read_generation_defaults(model_dir: Path) -> dict[str, Any]:
     shipped = json.loads(path.read_text())
     present = {theirs: ours for theirs, ours in GENERATION_DEFAULT_KEYS.items() if shipped.get(theirs) is not None}
     return {ours: shipped[theirs] for theirs, ours in present.items()}
+
+
+def generation_defaults(model_dir: Path, generation_config: str) -> dict[str, Any]:
+    """The sampling values a request (or `LLM.generate` without SamplingParams) inherits for the fields it omits:
+    under model.generation_config "auto" those of the model's file that are valid sampling values; under "vllm",
+    none. Logged, as vLLM does."""
+    from configs.sampling_params import SamplingParams
+
+    if generation_config == "vllm":
+        return {}
+    defaults = {}
+    for name, value in read_generation_defaults(model_dir).items():
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError) as error:
+            # A bad value in the model's file must not turn every request that omits the field into an error.
+            logger.warning("ignoring the model's generation config %s=%r: %s", name, value, error)
+            continue
+        defaults[name] = value
+    if defaults:
+        logger.info(
+            "Default sampling parameters have been overridden by the model's generation config: %s "
+            "(model.generation_config: vllm ignores it)",
+            defaults,
+        )
+    return defaults
 
 
 def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:

@@ -18,7 +18,7 @@ from configs.sampling_params import SamplingParams
 from executor.engine_core import validate_prompt
 from executor.outputs import EngineInfo
 from model_executor.model_fetch import resolve_model
-from model_executor.model_info import read_generation_defaults
+from model_executor.model_info import generation_defaults as model_generation_defaults
 from serve_app.chat_template import ChatTemplate, refuse_request_templates
 from serve_app.logprobs import LogprobFormatter
 from serve_app.protocol import (
@@ -50,27 +50,8 @@ logger = logging.getLogger(__name__)
 
 
 def generation_defaults(engine_config: EngineConfig) -> dict[str, Any]:
-    """The sampling defaults a request inherits for the fields it omits: with model.generation_config auto, those of
-    the model's generation_config.json that are valid sampling values; with vllm, none. Logged once, as vLLM does."""
-    if engine_config.model.generation_config == "vllm":
-        return {}
-    shipped = read_generation_defaults(resolve_model(engine_config.model.name))
-    defaults = {}
-    for name, value in shipped.items():
-        try:
-            SamplingParams(**{name: value})
-        except (TypeError, ValueError) as error:
-            # A bad value in the model's file must not turn every request that omits the field into a 400.
-            logger.warning("ignoring the model's generation config %s=%r: %s", name, value, error)
-            continue
-        defaults[name] = value
-    if defaults:
-        logger.info(
-            "Default sampling parameters have been overridden by the model's generation config: %s "
-            "(set model.generation_config: vllm to ignore it)",
-            defaults,
-        )
-    return defaults
+    """The sampling defaults a request inherits for the fields it omits (model.generation_config)."""
+    return model_generation_defaults(resolve_model(engine_config.model.name), engine_config.model.generation_config)
 
 
 @dataclass(slots=True)

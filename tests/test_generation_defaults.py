@@ -74,7 +74,7 @@ IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
 
 
 def test_defaults_are_read_validated_and_logged(model_dir: Path, tmp_path: Path, caplog):
-    caplog.set_level(logging.INFO, logger="serve_app.serving")
+    caplog.set_level(logging.INFO, logger="model_executor.model_info")
     expected = {"max_tokens": 5, "temperature": 0.0, "top_p": 0.9}
     assert generation_defaults(EngineConfig(model=str(model_dir))) == expected
     assert "Default sampling parameters have been overridden by the model's generation config" in caplog.text
