@@ -4,6 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 MODEL ?= smollm2-135m-instruct
+# The config of `serve` and `soak`, and flags appended to the command of `serve`, `soak` and `bench-offline` (a flag
+# given twice takes the last value): `make serve CONFIG=configs/smollm2-tp3.yaml ARGS="--port 9000"`,
+# `make soak ARGS="--duration-s 30"`.
+CONFIG = configs/default.yaml
+ARGS =
 
 .PHONY: setup serve test test-fast lint bench-offline soak clean
 
@@ -33,14 +38,14 @@ test-fast: setup lint
 	$(BIN)/python -m pytest -q -m "not serve and not subprocess and not slow"
 
 serve: setup
-	$(BIN)/pagedserve serve --config configs/default.yaml
+	$(BIN)/pagedserve serve --config $(CONFIG) $(ARGS)
 
 bench-offline: setup
-	$(BIN)/pagedserve bench-offline
+	$(BIN)/pagedserve bench-offline $(ARGS)
 
 # Three minutes past capacity with random disconnects; fails on leaked KV blocks, request state or memory.
 soak: setup
-	$(BIN)/pagedserve soak --config configs/default.yaml --duration-s 180
+	$(BIN)/pagedserve soak --config $(CONFIG) --duration-s 180 $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

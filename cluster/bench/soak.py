@@ -34,6 +34,7 @@ from cluster.bench.client import RequestRecord, client_session, first_model_id, 
 from cluster.bench.config import BenchConfig
 from cluster.bench.workload import synthetic_prompts
 from configs.app_config import AppConfig
+from executor.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ async def offer_load(
     return outcomes, time.perf_counter() - origin
 
 
-def wait_until_idle(engines: list[Any]) -> list[dict[str, Any]]:
+def wait_until_idle(engines: list[Any]) -> list[EngineStats]:
     """Every engine's stats once none runs or queues anything; raises TimeoutError after IDLE_TIMEOUT_S."""
     import ray
 
@@ -139,9 +140,15 @@ def wait_until_idle(engines: list[Any]) -> list[dict[str, Any]]:
 
 
 def ingress_state(app_name: str) -> dict[str, int]:
+    """The ingress replica's per-request state and RSS, asked through the application's handle."""
     from ray import serve
 
-    return serve.get_app_handle(app_name).request_state.remote().result(timeout_s=RAY_CALL_TIMEOUT_S)
+    handle = serve.get_app_handle(app_name)
+    if not handle.is_initialized:
+        # Serve's throughput-optimized mode (the embedded Ray of `pagedserve soak`) defaults handles to routing on
+        # the caller's running event loop; this is a sync process, so the router gets Serve's own loop thread.
+        handle._init(_run_router_in_separate_loop=True)
+    return handle.request_state.remote().result(timeout_s=RAY_CALL_TIMEOUT_S)
 
 
 def snapshot(config: AppConfig, engines: list[Any]) -> dict[str, Any]:
