@@ -37,6 +37,18 @@ VLLM_KEYWORD_ALIASES: dict[str, tuple[str, str, dict[Any, Any]]] = {
 }
 
 
+def check_chunked_prefill_budget(enable_chunked_prefill: bool, max_num_batched_tokens: int, max_model_len: int) -> None:
+    """Without chunked prefill a prompt (or a preempted request's tokens) runs whole in one step: the step must hold
+    the longest context. Raises ValueError naming both numbers (vLLM's check)."""
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens {max_num_batched_tokens} is smaller than max_model_len {max_model_len}: with "
+            "enable_chunked_prefill off a prompt is prefilled whole in one step, so a longer one could never run; "
+            f"raise max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or turn "
+            "enable_chunked_prefill on."
+        )
+
+
 def section_of_key(key: str) -> str | None:
     """The engine section that declares a flat key (`block_size` -> `cache`; `model` means `model.name`)."""
     if key == "model":
@@ -94,13 +106,10 @@ class EngineConfig(Section):
 
     @model_validator(mode="after")
     def _check_unchunked_prefill_budget(self) -> EngineConfig:
-        scheduler, max_model_len = self.scheduler, self.model.max_model_len
-        # Without chunking a prompt prefills in one step: a step smaller than the context could never run a long one.
-        if not scheduler.enable_chunked_prefill and max_model_len and scheduler.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens {scheduler.max_num_batched_tokens} is smaller than max_model_len "
-                f"{max_model_len}: with enable_chunked_prefill off a prompt is prefilled whole in one step; raise "
-                f"max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or turn chunked prefill on"
+        scheduler = self.scheduler
+        if self.model.max_model_len:  # else the model's own length, checked by load_model_info
+            check_chunked_prefill_budget(
+                scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens, self.model.max_model_len
             )
         return self
 

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from configs.engine_config import EngineConfig
+from configs.engine_config import EngineConfig, check_chunked_prefill_budget
 from executor.kv_cache_manager import KVCacheManager
 from executor.ngram_proposer import propose_ngram_drafts
 from executor.request import Request, RequestStatus
@@ -34,18 +34,6 @@ logger = logging.getLogger(__name__)
 
 # Longest a request goes without drafts after its drafts failed step after step (the back-off doubles up to it).
 MAX_DRAFT_BACKOFF_STEPS = 16
-
-
-def check_chunked_prefill_budget(enable_chunked_prefill: bool, max_num_batched_tokens: int, max_model_len: int) -> None:
-    """Without chunked prefill a prompt (or a preempted request's tokens) runs whole in one step: the step must hold
-    the longest context. Raises ValueError naming both numbers (vLLM's check)."""
-    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens {max_num_batched_tokens} is smaller than max_model_len {max_model_len}: with "
-            "enable_chunked_prefill off a prompt is prefilled whole in one step, so a longer one could never run; "
-            f"raise max_num_batched_tokens to at least {max_model_len}, lower max_model_len, or turn "
-            "enable_chunked_prefill on."
-        )
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from configs.engine_config import EngineConfig
+from configs.engine_config import EngineConfig, check_chunked_prefill_budget
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool 
     max_model_len = config.model.max_model_len or model_limit
     if max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
+    # Before any weights load: the model's own length may be more than an unchunked step holds.
+    check_chunked_prefill_budget(
+        config.scheduler.enable_chunked_prefill, config.scheduler.max_num_batched_tokens, max_model_len
+    )
     device = resolve_device(config.model.device, cuda_available)
     dtype_name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return ModelInfo(

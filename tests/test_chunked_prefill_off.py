@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from configs.engine_config import check_chunked_prefill_budget
 from configs.sampling_params import SamplingParams
-from executor.scheduler import check_chunked_prefill_budget
 from model_executor.step_plan import StepPlan
 from tests.helpers import assert_no_leaked_blocks
 from tests.scheduler_fakes import (
