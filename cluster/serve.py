@@ -2,6 +2,7 @@
 
 Shutdown is graceful: new requests get 503 at once, the ones in flight finish within a grace period (a second
 signal cuts it short), then the application is deleted and, for an embedded Ray, Serve and Ray are stopped.
+A signal during start-up (Ray starting, the model loading, Serve deploying) has nothing to drain: it stops at once.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -21,6 +23,8 @@ DEFAULT_GRACE_S = 30.0
 # How often `serve_forever` checks that the application still exists (`serve shutdown` from elsewhere).
 APP_CHECK_PERIOD_S = 5.0
 RAY_CALL_TIMEOUT_S = 30.0
+# How long an interrupted start-up asks the engines whether they already took requests.
+IN_FLIGHT_CHECK_S = 1.0
 
 
 def embedded_ray_num_cpus(config: AppConfig) -> int:
@@ -84,6 +88,7 @@ def start_ray(config: AppConfig) -> bool:
         ray.init(address=address)
         return False
     os.environ.update(embedded_ray_env(config, direct_ingress))
+    logger.info("starting a Ray of its own")
     if direct_ingress:
         logger.info(
             "direct ingress: the ingress replica serves port %d, Serve's proxy port %d",
@@ -108,6 +113,7 @@ def deploy(config: AppConfig, blocking: bool = False) -> str:
         direct_ingress = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
     proxy_port = config.serve.port + 1 if direct_ingress else config.serve.port
     serve.start(http_options={"host": config.serve.host, "port": proxy_port})
+    logger.info("deploying application %s (model %s)", config.serve.app_name, config.engine_config().model_name)
     serve.run(build_app(config), name=config.serve.app_name, route_prefix=config.serve.route_prefix, blocking=False)
     host = "127.0.0.1" if config.serve.host in ("0.0.0.0", "::") else config.serve.host
     prefix = config.serve.route_prefix.rstrip("/")
@@ -205,29 +211,110 @@ def app_exists(config: AppConfig) -> bool:
         return True
 
 
+def abandon_startup(config: AppConfig, owns_ray: bool) -> None:
+    """Stop a start-up that was interrupted or failed: nothing was served, so nothing is drained or waited for.
+
+    An embedded Ray goes down whole (its replicas, scheduler actors and workers with it) without waiting for Serve
+    to stop replicas that are still loading. On a cluster started elsewhere the application is deleted and its
+    scheduler actors killed without waiting; an engine that a dying replica creates anew ends itself once no ingress
+    is attached (ENGINE_ORPHAN_TIMEOUT_S).
+    """
+    import ray
+    from ray import serve
+
+    if owns_ray:
+        # Also when ray.init itself was interrupted: shutdown stops whatever part of the node it started.
+        ray.shutdown()
+        logger.info("pagedserve stopped")
+        return
+    if not ray.is_initialized():
+        return
+    try:
+        serve.delete(config.serve.app_name, _blocking=False)
+        for engine in engine_actors(config):
+            ray.kill(engine)
+    except Exception:
+        logger.exception("removing the application that was starting failed")
+    finally:
+        ray.shutdown()  # only disconnects from a Ray started elsewhere
+    logger.info("pagedserve stopped; Serve removes the application %s in the background", config.serve.app_name)
+
+
 def serve_forever(config: AppConfig, grace_s: float = DEFAULT_GRACE_S) -> None:
     """Serve until SIGINT/SIGTERM (or until the application is deleted elsewhere), then shut down gracefully; a
-    second signal ends the grace period at once."""
+    second signal ends the grace period at once. A signal during start-up interrupts it and stops everything
+    without waiting for the replicas to finish starting."""
+    import ray
+
     stop = threading.Event()
     hurry = threading.Event()
+    # Set while Ray starts and the app deploys: those calls block in Ray, so a signal interrupts them (as Ctrl-C
+    # does, which Ray's blocking calls honour) instead of only setting state that is read once they return.
+    starting = threading.Event()
+    starting.set()
 
     def on_signal(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if starting.is_set():
+            starting.clear()  # one interrupt: a second signal during the clean-up only hurries it
+            logger.info("%s during start-up: stopping", name)
+            raise KeyboardInterrupt
         if stop.is_set():
             hurry.set()
-        logger.info("%s: shutting down", signal.Signals(signum).name)
+        logger.info("%s: shutting down", name)
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    owns_ray = start_ray(config)
-    # ray.init installs its own SIGTERM handler (sys.exit): ours must win, or the drain is skipped.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
+    owns_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    served = interrupted = False
     try:
+        start_ray(config)
+        # ray.init installs its own SIGTERM handler (sys.exit): ours must win, or the drain is skipped.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
         deploy(config)
+        # Cleared before `served` is set: a signal in between stops gracefully instead of interrupting.
+        starting.clear()
+        served = True
         while not stop.wait(APP_CHECK_PERIOD_S):
             if not app_exists(config):
                 logger.warning("application %s is gone (serve shutdown?); exiting", config.serve.app_name)
                 break
+    except KeyboardInterrupt:
+        if served:
+            raise
+        interrupted = True
     finally:
-        shutdown(config, grace_s, owns_ray, hurry)
+        starting.clear()
+        # A replica may answer before serve.run returns: requests it took are drained as after start-up.
+        if served or requests_in_flight(config):
+            shutdown(config, grace_s, owns_ray, hurry)
+            interrupted = False
+        else:
+            abandon_startup(config, owns_ray)
+    if interrupted:
+        exit_now()
+
+
+def requests_in_flight(config: AppConfig) -> bool:
+    """Whether the application's engines hold requests now; an engine still loading does not."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        engines = engine_actors(config)
+        stats = ray.get([engine.stats.remote() for engine in engines], timeout=IN_FLIGHT_CHECK_S)
+    except Exception:  # still being constructed (the timeout) or already gone: nothing was taken in
+        return False
+    return any(engine_stats.num_running + engine_stats.num_waiting for engine_stats in stats)
+
+
+def exit_now(status: int = 0) -> None:
+    """End the process without finalizing the interpreter: with Ray already stopped there is nothing left to
+    release, and tearing down torch's and transformers' modules takes seconds on a busy machine."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)

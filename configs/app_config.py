@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 
-from configs.engine_config import EngineConfig
+from configs.engine_config import ENGINE_SECTIONS, VLLM_KEYWORD_ALIASES, EngineConfig, section_of_key
 from configs.sections import Section
 
 CONFIG_DIR = Path(__file__).parent
@@ -20,8 +20,16 @@ class ServeConfig(Section):
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
-    route_prefix: str = Field("/", description="Path the app is served under.")
-    app_name: str = Field("pagedserve", description="Ray Serve application name (engine actors are named after it).")
+    route_prefix: str = Field(
+        "/",
+        description="Route prefix that `pagedserve serve` deploys the app under; under `serve run` / `serve deploy` "
+        "Serve's own route_prefix applies (the app reads it from each request's ASGI root_path).",
+    )
+    app_name: str = Field(
+        "pagedserve",
+        description="Ray Serve application name that `pagedserve serve` deploys; under `serve run` / `serve deploy` "
+        "the app takes Serve's name. Engine actors are named after the Serve application name.",
+    )
     ingress_replicas: int = Field(1, ge=1, description="Ray Serve replicas of the HTTP ingress.")
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent requests per ingress replica.")
     ingress_num_cpus: float = Field(0.5, ge=0, description="Logical Ray CPUs each ingress replica reserves.")
@@ -68,18 +76,48 @@ class ServeConfig(Section):
 
 
 class AppConfig(EngineConfig):
-    """The engine's sections plus `serve`."""
+    """The engine's sections plus `serve`; like the engine's keys, `serve`'s may be given flat (`api_key=...`)."""
 
     serve: ServeConfig = ServeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_keys(cls, values: Any) -> Any:
+        values = super()._nest_flat_keys(values)
+        if not isinstance(values, dict):
+            return values
+        flat = {key: values.pop(key) for key in list(values) if key in ServeConfig.model_fields}
+        if flat:
+            base = values.get("serve", {})
+            if isinstance(base, BaseModel):
+                base = base.model_dump(exclude_unset=True)
+            # As for the engine's sections, a flat key wins over the same key nested (a non-dict is validation's error).
+            values["serve"] = {**base, **flat} if isinstance(base, dict) else base
+        return values
+
+    @classmethod
+    def from_serve_args(cls, args: dict[str, Any]) -> AppConfig:
+        """The config from a Serve application builder's `args`: sections nested or keys flat (vLLM's names,
+        `model=DIR tensor_parallel_size=2`), optionally over a YAML preset (`config=configs/default.yaml`).
+
+        `serve run IMPORT_PATH key=value` passes every value as a string: each is converted to its key's type in
+        the schema where that type takes the string, else read as YAML (`null`, `{...}`, `[...]`).
+        """
+        args = {key: _typed_arg(key, value) if isinstance(value, str) else value for key, value in args.items()}
+        preset = args.pop("config", None)
+        try:
+            values = cls._nest_flat_keys(args)
+            if preset is not None:
+                values = _merge_sections(cls._nest_flat_keys(_read_yaml(resolve_config_path(preset))), values)
+            return cls.model_validate(values)
+        except ValueError as error:  # pydantic's ValidationError included: it names the key
+            raise ValueError(f"invalid application args: {error}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> AppConfig:
         """Load a preset; a bare name like `default` means configs/default.yaml. Flat keyword overrides win."""
-        path = Path(path)
-        if not path.exists() and (CONFIG_DIR / f"{path.name}.yaml").exists():
-            path = CONFIG_DIR / f"{path.name}.yaml"
-        with open(path) as config_file:
-            values = yaml.safe_load(config_file) or {}
+        path = resolve_config_path(path)
+        values = _read_yaml(path)
         try:
             return cls.model_validate({**values, **overrides})
         except ValidationError as error:
@@ -89,3 +127,60 @@ class AppConfig(EngineConfig):
         """The engine replicas' config: the same sections, with Ray worker actors (a served engine is an actor)."""
         parallel = self.parallel.model_copy(update={"distributed_executor": "ray"})
         return EngineConfig(**{**self.engine_sections(), "parallel": parallel})
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path, or a bare preset name like `default` for configs/default.yaml."""
+    path = Path(path)
+    if not path.exists() and (CONFIG_DIR / f"{path.name}.yaml").exists():
+        return CONFIG_DIR / f"{path.name}.yaml"
+    return path
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as config_file:
+        return yaml.safe_load(config_file) or {}
+
+
+def _merge_sections(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` over `base`, section by section: a preset's other keys in a section stay."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _field_annotation(key: str) -> Any:
+    """The schema type a flat or section key of the app's args takes; None for keys the schema does not know."""
+    if key == "model":
+        return str  # a flat `model` is model.name
+    if key in AppConfig.model_fields:
+        return AppConfig.model_fields[key].annotation
+    if key in VLLM_KEYWORD_ALIASES:
+        return bool
+    section_name = section_of_key(key)
+    section = ENGINE_SECTIONS.get(section_name) if section_name else ServeConfig
+    field = section.model_fields.get(key) if section is not None else None
+    return field.annotation if field is not None else None
+
+
+def _typed_arg(key: str, value: str) -> Any:
+    """One string from `serve run ... key=value`, as its key's schema type where that takes it (`port=8000`,
+    `enforce_eager=true`, `served_model_name=123`), else as YAML (`kv_cache_memory_gib=null`,
+    `speculative_config={...}`, `dtype=half` for the field's own validator to map); an unknown key's value stays a
+    string for validation to name."""
+    annotation = _field_annotation(key)
+    if annotation is None:
+        return value
+    try:
+        return TypeAdapter(annotation).validate_python(value)
+    except ValidationError:
+        pass
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value  # validation names the key and its type
+    return None if parsed == "None" else parsed

@@ -1,7 +1,8 @@
 """The OpenAI-compatible Ray Serve ingress: routes, HTTP hygiene, errors as OpenAI error bodies, JSON and SSE.
 
 `build_app(config)` returns the bound application; the same import path serves `serve run`, `serve deploy`
-and a KubeRay serveConfigV2: `import_path: serve_app.app:build_app`.
+and a KubeRay serveConfigV2: `import_path: serve_app.app:build_app`. The application's name and route prefix are
+whatever Serve runs it under: the replica reads them from Serve, never from its args.
 """
 
 from __future__ import annotations
@@ -100,12 +101,15 @@ class OpenAIIngress:
         from transformers import AutoTokenizer
 
         self.config = AppConfig.model_validate(app_config)
+        # Serve's name for this application, whoever deployed it (serve run/deploy, KubeRay, pagedserve serve).
+        self.app_name = serve.get_replica_context().app_name
         settings = self.config.serve
         engine_config = self.config.engine_config()
         self.model_name = engine_config.model_name
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
         self.clients = [
-            EngineClient(create(), create, engine_config.runtime.transport) for create in engine_creators(self.config)
+            EngineClient(create(), create, engine_config.runtime.transport)
+            for create in engine_creators(self.config, self.app_name)
         ]
         self.engine_info = attach_engines(self.clients, engine_config)
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -127,7 +131,9 @@ class OpenAIIngress:
             ("POST", "/detokenize"): self.detokenize,
         }
         freeze_startup_heap("ingress replica")
-        logger.info("ingress ready for model %s (%s)", self.model_name, self.engine_info)
+        logger.info(
+            "ingress of application %s ready for model %s (%s)", self.app_name, self.model_name, self.engine_info
+        )
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica gracefully (delete, scale-down, redeploy, shutdown) after
@@ -137,14 +143,18 @@ class OpenAIIngress:
         if hasattr(self, "tokenizer_thread"):
             self.tokenizer_thread.shutdown(wait=False)
 
-    def route_path(self, request: Request) -> str:
-        """The ASGI scope path minus this app's route prefix: what routing and auth both decide on."""
+    @staticmethod
+    def route_path(request: Request) -> str:
+        """The ASGI scope path below the app's mount point: what routing and auth both decide on.
+
+        Serve's proxy and a direct-ingress replica both put the route prefix (after any http_options.root_path) in
+        the scope's root_path and keep it in path, as ASGI says.
+        """
         path = request.scope.get("path", "/")
-        # Under a route prefix (several apps on one Serve proxy) routes are matched after it.
-        prefix = self.config.serve.route_prefix.rstrip("/")
-        if prefix and path.startswith(prefix + "/"):
-            path = path[len(prefix) :]
-        return path
+        root_path = request.scope.get("root_path", "").rstrip("/")
+        if root_path and path.startswith(root_path + "/"):
+            return path[len(root_path) :]
+        return "/" if path == root_path else path
 
     async def __call__(self, request: Request) -> Response:
         path = self.route_path(request)
@@ -268,18 +278,19 @@ class OpenAIIngress:
 
 
 def build_app(config: AppConfig | dict[str, Any] | str | Path | None = None) -> serve.Application:
-    """The bound Serve application. `config` is an AppConfig, its dict form, or a YAML path.
+    """The bound Serve application. `config` is an AppConfig, a YAML path, or a Serve builder's `args`: sections
+    nested or keys flat under vLLM's names, strings from `serve run IMPORT_PATH key=value` read as their keys'
+    types, optionally over a preset (`config=configs/default.yaml`); see `AppConfig.from_serve_args`.
 
-    As a Serve application builder, `args` may also be `{"config": "configs/default.yaml"}`.
+    The Serve application name and route prefix are those Serve deploys it under (`name`/`route_prefix` of a Serve
+    config, `serve run --name/--route-prefix`, `serve.run(name=..., route_prefix=...)`), not `serve.app_name`.
     """
     if config is None:
         config = AppConfig()
     elif isinstance(config, str | Path):
         config = AppConfig.from_yaml(config)
     elif isinstance(config, dict):
-        config = (
-            AppConfig.from_yaml(config["config"]) if set(config) == {"config"} else AppConfig.model_validate(config)
-        )
+        config = AppConfig.from_serve_args(config)
     scaling = (
         {"autoscaling_config": config.serve.autoscaling_config}
         if config.serve.autoscaling_config

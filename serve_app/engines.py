@@ -37,15 +37,16 @@ def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
     return f"{app_name}-engine-{replica_index}"
 
 
-def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
-    """A scheduler actor of this app; the first ingress replica creates it, the others find it by name.
+def get_or_create_engine(config: AppConfig, app_name: str, replica_index: int = 0) -> Any:
+    """A scheduler actor of the Serve application `app_name`; its first ingress replica creates it, the others find
+    it by name. Named after the Serve application, so two applications never share one.
 
     Detached, so an ingress replica's death does not take it along (its replacement re-adopts it by name) and Ray
     removes its placement group when it ends; it ends itself when its last ingress detaches or falls silent.
     """
     engine_class = ray.remote(EngineActor)
     return engine_class.options(
-        name=engine_actor_name(config.serve.app_name, replica_index),
+        name=engine_actor_name(app_name, replica_index),
         namespace=ENGINE_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
@@ -54,9 +55,10 @@ def get_or_create_engine(config: AppConfig, replica_index: int = 0) -> Any:
     ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
-def engine_creators(config: AppConfig) -> list[Callable[[], Any]]:
+def engine_creators(config: AppConfig, app_name: str) -> list[Callable[[], Any]]:
     """One blocking `get_or_create_engine` per engine replica of the app, for EngineClient to call again later."""
-    return [functools.partial(get_or_create_engine, config, index) for index in range(config.serve.engine_replicas)]
+    replicas = range(config.serve.engine_replicas)
+    return [functools.partial(get_or_create_engine, config, app_name, index) for index in replicas]
 
 
 def engine_handle(app_name: str, replica_index: int = 0) -> Any:
