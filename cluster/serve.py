@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from configs.app_config import AppConfig
+from executor.executors import embedded_ray_num_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +26,6 @@ APP_CHECK_PERIOD_S = 5.0
 RAY_CALL_TIMEOUT_S = 30.0
 # How long an interrupted start-up asks the engines whether they already took requests.
 IN_FLIGHT_CHECK_S = 1.0
-
-
-def embedded_ray_num_cpus(config: AppConfig) -> int:
-    """Logical CPUs for an embedded Ray: enough for every worker bundle and the ingress on a small box."""
-    needed = config.parallel.worker_num_cpus * config.parallel.tensor_parallel_size
-    needed *= config.parallel.pipeline_parallel_size
-    needed += config.serve.ingress_num_cpus * config.serve.ingress_replicas
-    return max(int(needed) + 2, os.cpu_count() or 1)
 
 
 def direct_ingress_env(config: AppConfig) -> dict[str, str]:
@@ -96,7 +89,8 @@ def start_ray(config: AppConfig) -> bool:
             config.serve.port + 1,
         )
     # Ray resources are logical: an embedded Ray gets enough CPUs for every worker; torch threads are set apart.
-    ray.init(num_cpus=embedded_ray_num_cpus(config), include_dashboard=False)
+    ingress_cpus = config.serve.ingress_num_cpus * config.serve.ingress_replicas
+    ray.init(num_cpus=embedded_ray_num_cpus(config.parallel, ingress_cpus), include_dashboard=False)
     return True
 
 

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from configs.app_config import CONFIG_DIR, AppConfig, ServeConfig
+from configs.app_config import CONFIG_DIR, AppConfig, ServeConfig, resolve_config_path
 from configs.engine_config import ENGINE_SECTIONS, VLLM_KEYWORD_ALIASES
 from configs.sections import DTYPE_ALIASES, Section
 
@@ -204,14 +204,6 @@ def config_overrides(args: argparse.Namespace, flags: list[ConfigFlag]) -> dict[
         overrides[target] = value
         given_by[target] = flag.name
     return overrides
-
-
-def resolve_config_path(path: str | Path) -> Path:
-    """A path, or a bare preset name like `default` for configs/default.yaml (as AppConfig.from_yaml resolves it)."""
-    path = Path(path)
-    if not path.exists() and (CONFIG_DIR / f"{path.name}.yaml").exists():
-        return CONFIG_DIR / f"{path.name}.yaml"
-    return path
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

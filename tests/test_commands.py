@@ -25,7 +25,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import pytest
 
 from configs.app_config import AppConfig
 from tests.fault_helpers import wait_until
-from tests.helpers import free_port
+from tests.process_helpers import free_port_for_direct_ingress, ray_processes_of
 
 BIN = Path(sys.executable).parent
 PAGEDSERVE = str(BIN / "pagedserve")
@@ -58,16 +57,6 @@ def write_tiny_config(directory: Path, app_name: str, port: int) -> Path:
     return path
 
 
-def free_port_for_direct_ingress() -> int:
-    """A free port whose next one is free too: with direct ingress (the default of a Ray of its own), Serve's proxy
-    takes port + 1."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port + 1)) != 0:
-                return port
-
-
 def own_ray_env() -> tuple[dict[str, str], str]:
     """The environment of a command that starts a Ray of its own (never this session's), and that Ray's temp dir,
     by which its processes are found afterwards."""
@@ -75,20 +64,6 @@ def own_ray_env() -> tuple[dict[str, str], str]:
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmpdir, RAY_USAGE_STATS_ENABLED="0")
     return env, ray_tmpdir
-
-
-def ray_processes_of(ray_tmpdir: str) -> list[int]:
-    """Processes (the command itself, Ray's daemons and workers) whose environment points at this Ray temp dir."""
-    marker = f"RAY_TMPDIR={ray_tmpdir}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def kill_leftovers(ray_tmpdir: str) -> None:

@@ -111,7 +111,9 @@ def test_serve_config_file_carries_an_app_config():
     serve_config = yaml.safe_load(SERVE_CONFIG.read_text())
     (application,) = serve_config["applications"]
     assert application["import_path"] == "serve_app.app:build_app"
-    assert AppConfig.model_validate(application["args"]).serve.app_name == application["name"]
+    # The app takes its name and route from Serve: the args neither need nor repeat them.
+    assert not {"app_name", "route_prefix"} & set(application["args"].get("serve", {}))
+    assert AppConfig.from_serve_args(application["args"]).model.name == "smollm2-135m-instruct"
 
 
 def test_embedded_ray_runs_serve_control_loop_every_half_second_unless_told(tmp_path, monkeypatch):

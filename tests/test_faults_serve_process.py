@@ -7,17 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.fault_helpers import LONG, completes, stream_events, wait_until
-from tests.helpers import free_port
+from tests.process_helpers import cmdline, free_port_for_direct_ingress, ray_processes_of, start_pagedserve
 
 pytestmark = pytest.mark.serve
 
@@ -51,70 +47,6 @@ def test_direct_ingress_serves_the_port_from_the_replica_and_recovers_it_after_a
         if server.poll() is None:
             server.kill()
     wait_until(lambda: not ray_processes_of(ray_tmpdir), 30, "every process of its Ray gone")
-
-
-def free_port_for_direct_ingress() -> int:
-    """A free port whose next one is free too: with direct ingress, Serve's proxy takes port + 1."""
-    port = free_port()
-    while port_in_use(port + 1):
-        port = free_port()
-    return port
-
-
-def port_in_use(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def ray_processes_of(ray_tmpdir: str) -> list[int]:
-    """Processes (Ray's daemons and workers) whose environment points at this Ray temp dir."""
-    marker = f"RAY_TMPDIR={ray_tmpdir}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[subprocess.Popen, str, Path]:
-    """`pagedserve serve` on the tiny model in a Ray of its own: nothing of this session's cluster may count, and
-    nothing of its own may stay. Returns the process, its Ray temp dir and its log."""
-    config_path = tmp_path / "tiny.yaml"
-    config_path.write_text(
-        json.dumps(
-            {
-                "model": {"name": "tiny-random-llama"},
-                "cache": {"num_kv_blocks": 128},
-                "parallel": {"worker_num_cpus": 0.5, "num_threads": 1},
-                "serve": {"port": port, "ingress_num_cpus": 0.1, **serve_section},
-            }
-        )
-    )
-    ray_tmpdir = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmpdir, RAY_USAGE_STATS_ENABLED="0")
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [str(Path(sys.executable).with_name("pagedserve")), "serve", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    return server, ray_tmpdir, log_path
 
 
 @pytest.mark.subprocess

@@ -9,7 +9,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,8 @@ import yaml
 
 from configs.app_config import AppConfig
 from tests.helpers import free_ports
-from tests.k8s_schema import REPO, VENV_BIN, dashboard_exprs, serve_config
+from tests.k8s_schema import REPO, dashboard_exprs, serve_config
+from tests.process_helpers import LocalRayHead, token_auth_head_env
 
 # --- 3. the serveConfigV2 deployed on a real local Ray head --------------------------------------------------
 
@@ -42,103 +42,15 @@ def cpu_applications(model: str, port: int) -> dict[str, Any]:
     return {"http_options": {"host": "127.0.0.1", "port": port}, "applications": applications}
 
 
-class LocalRayHead:
-    """`ray start --head --block` in its own session and temp dir: stopping it touches no other Ray on the box
-    (`ray stop` would stop every Ray of this user)."""
-
-    def __init__(self, temp_dir: Path, env: dict[str, str]):
-        ports = free_ports(7)
-        self.gcs_port, self.dashboard_port = ports[:2]
-        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        self.temp_dir, self.env = temp_dir, {**env, "RAY_ADDRESS": f"127.0.0.1:{self.gcs_port}"}
-        command = [
-            str(VENV_BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={self.gcs_port}",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}",
-            # Every other fixed default port could collide with another test's Ray on this machine.
-            f"--ray-client-server-port={ports[2]}",
-            f"--dashboard-agent-listen-port={ports[3]}",
-            f"--dashboard-agent-grpc-port={ports[4]}",
-            f"--metrics-export-port={ports[5]}",
-            f"--runtime-env-agent-port={ports[6]}",
-            "--num-cpus=8",
-            "--num-gpus=0",
-            f"--object-store-memory={256 * 2**20}",
-            f"--temp-dir={temp_dir}",
-            "--disable-usage-stats",
-        ]
-        self.log = (temp_dir / "ray-start.log").open("w")
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(VENV_BIN / "serve"), *args, "--address", self.dashboard],
-            cwd=REPO,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def wait_for_dashboard(self, headers: dict[str, str], timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log_tail()
-            try:
-                if httpx.get(f"{self.dashboard}/api/version", headers=headers, timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"the Ray dashboard did not answer within {timeout:.0f}s\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        self.log.flush()
-        return (self.temp_dir / "ray-start.log").read_text()[-3000:]
-
-    def serve_logs_tail(self) -> str:
-        """The end of every Serve replica's log: why an application did not come up."""
-        logs = sorted((self.temp_dir / "session_latest" / "logs" / "serve").glob("replica_*.log"))
-        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs)
-
-    def stop(self) -> None:
-        # SIGTERM makes `ray start --block` stop the processes it started; SIGKILL to its group mops up the rest.
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.log.close()
-
-
 @pytest.fixture
 def local_ray_head(tiny_model_dir: Path) -> Iterator[LocalRayHead]:
     """A Ray head of our own; the tiny model is built before it, so replicas never race to build it."""
     # A short path: Ray's unix sockets live under the temp dir and sun_path holds 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rayk8s-", dir="/tmp"))
     token = secrets.token_hex(32)
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        # A token of our own for this head and its CLI calls: no shared ~/.ray/auth_token, no open cluster.
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": token,
-        # Teardown: SIGTERM would otherwise drain the node for Serve first, which only matters with live traffic.
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-        # No working_dir: Serve imports serve_app from the checkout.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("RAY_ADDRESS", None)
+    env = token_auth_head_env(token)
+    # No working_dir: Serve imports serve_app from the checkout.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     head = LocalRayHead(temp_dir, env)
     try:
         head.wait_for_dashboard({"Authorization": f"Bearer {token}"})

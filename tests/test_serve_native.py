@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import yaml
 from tests.fault_helpers import wait_until
 from tests.helpers import free_ports
 from tests.k8s_schema import REPO, VENV_BIN
-from tests.test_k8s_serve_deploy import LocalRayHead
+from tests.process_helpers import LocalRayHead, token_auth_head_env
 
 SERVE_CONFIG = REPO / "configs" / "serve.yaml"
 READY_TIMEOUT_S = 240
@@ -71,15 +70,7 @@ def serve_cluster(tiny_model_dir: Path) -> Iterator[ServeCluster]:
     (`serve run IMPORT_PATH` would otherwise start it on 8000); the tiny model exists before any replica."""
     temp_dir = Path(tempfile.mkdtemp(prefix="raysn-", dir="/tmp"))  # short: Ray's unix sockets live under it
     token = secrets.token_hex(32)
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": token,
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-    }
-    env.pop("RAY_ADDRESS", None)
-    head = LocalRayHead(temp_dir, env)
+    head = LocalRayHead(temp_dir, token_auth_head_env(token))
     try:
         head.wait_for_dashboard({"Authorization": f"Bearer {token}"})
         cluster = ServeCluster(head, free_ports(1)[0])

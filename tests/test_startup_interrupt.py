@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.fault_helpers import wait_until
-from tests.test_faults_serve_process import cmdline, free_port_for_direct_ingress, ray_processes_of, start_pagedserve
+from tests.process_helpers import cmdline, free_port_for_direct_ingress, ray_processes_of, start_pagedserve
 
 pytestmark = [pytest.mark.serve, pytest.mark.subprocess]
 
