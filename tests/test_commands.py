@@ -107,7 +107,7 @@ def test_make_soak_runs_pagedserve_soak_to_a_pass_and_leaves_no_process(tmp_path
     config = write_tiny_config(tmp_path, "cli-soak", free_port_for_direct_ingress())
     report_path = tmp_path / "soak.json"
     env, ray_tmpdir = own_ray_env()
-    args = f"--duration-s 5 --input-len 8 --output-len 16 --output-json {report_path}"
+    args = f"--duration-s 15 --input-len 8 --output-len 16 --disconnect-fraction 0.25 --output-json {report_path}"
     try:
         completed = run_command([*MAKE, "soak", f"CONFIG={config}", f"ARGS={args}"], 480, env)
         assert completed.returncode == 0, tail(completed)
@@ -119,7 +119,7 @@ def test_make_soak_runs_pagedserve_soak_to_a_pass_and_leaves_no_process(tmp_path
     assert "pagedserve soak" in completed.stdout and "PASS" in completed.stdout, tail(completed)
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["failures"] == []
-    assert report["duration_s"] == 5 and report["completed"] > 0
+    assert report["duration_s"] == 15 and report["completed"] > 0 and report["disconnected"] > 0
     assert report["free_kv_blocks_before"] == report["free_kv_blocks_after"] == report["kv_blocks"] == 128
     assert report["request_state_left"] == 0
     assert "Traceback" not in completed.stderr, tail(completed)  # its shutdown included: no error on the way out
@@ -295,5 +295,6 @@ def test_make_test_and_test_fast_set_up_and_lint_before_pytest_and_test_fast_ski
     selected = {line.split("::")[0] for line in collect.stdout.splitlines() if "::" in line}
     assert {"tests/test_configs.py", "tests/test_kv_cache.py"} <= selected
     # Whole modules marked serve or subprocess, and this very test (subprocess), are left out.
-    assert not selected & {"tests/test_faults_soak.py", "tests/test_cluster_job.py", "tests/test_job_submit_auth.py"}
+    left_out = {"tests/test_faults_live_app.py", "tests/test_cluster_job.py", "tests/test_startup_interrupt.py"}
+    assert not selected & left_out
     assert "test_make_test_and_test_fast" not in collect.stdout
