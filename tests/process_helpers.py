@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,15 @@ class LocalRayHead:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
         self.log.close()
+
+    def shut_down(self) -> None:
+        """Serve's `shutdown` first (its apps and actors), then the head, then its temp dir, however each goes."""
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.cli("shutdown", "-y", timeout=60)
+        finally:
+            self.stop()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def token_auth_head_env(token: str) -> dict[str, str]:

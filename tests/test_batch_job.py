@@ -72,15 +72,15 @@ def batch_command(job: dict[str, Any], input_path: Path, output: Path, *extra: s
     return [*command, "--input", str(input_path), "--output", str(output), *extra]
 
 
+def run_batch_process(
+    job: dict[str, Any], input_path: Path, output: Path, *extra: str, timeout_s: float = JOB_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    command = batch_command(job, input_path, output, *extra)
+    return subprocess.run(command, cwd=REPO, env=job["env"], capture_output=True, text=True, timeout=timeout_s)
+
+
 def run_batch(job: dict[str, Any], input_path: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
-    completed = subprocess.run(
-        batch_command(job, input_path, output, *extra),
-        cwd=REPO,
-        env=job["env"],
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT_S,
-    )
+    completed = run_batch_process(job, input_path, output, *extra)
     assert completed.returncode == 0, completed.stderr[-5000:]
     return completed
 
@@ -241,14 +241,7 @@ def test_batch_rerun_keeps_successes_and_runs_failed_and_cut_lines_again(job):
 
 
 def run_refused(job: dict[str, Any], input_path: Path, output: Path, *extra: str) -> str:
-    completed = subprocess.run(
-        batch_command(job, input_path, output, *extra),
-        cwd=REPO,
-        env=job["env"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_batch_process(job, input_path, output, *extra, timeout_s=120)
     assert completed.returncode == 2, completed.stderr[-3000:]
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, completed.stderr[-3000:]

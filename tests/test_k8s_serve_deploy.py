@@ -3,13 +3,10 @@ and answering OpenAI requests with the metrics the Grafana dashboard queries."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
 import secrets
-import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -56,12 +53,7 @@ def local_ray_head(tiny_model_dir: Path) -> Iterator[LocalRayHead]:
         head.wait_for_dashboard({"Authorization": f"Bearer {token}"})
         yield head
     finally:
-        try:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                head.cli("shutdown", "-y", timeout=60)
-        finally:
-            head.stop()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        head.shut_down()
 
 
 def application_status(head: LocalRayHead, app_name: str) -> tuple[str, str]:

@@ -5,10 +5,8 @@ never share an engine, whatever their args say."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -78,12 +76,7 @@ def serve_cluster(tiny_model_dir: Path) -> Iterator[ServeCluster]:
         assert started.returncode == 0, started.stderr[-2000:]
         yield cluster
     finally:
-        try:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                head.cli("shutdown", "-y", timeout=60)
-        finally:
-            head.stop()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        head.shut_down()
 
 
 def model_ids(url: str, headers: dict[str, str] | None = None) -> list[str]:
