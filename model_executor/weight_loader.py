@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from pathlib import Path
 
@@ -10,6 +11,15 @@ from torch import nn
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointSkip(enum.Enum):
+    """Why a model's `checkpoint_name_to_param` passes over a checkpoint tensor (None there means: not ours)."""
+
+    OTHER_STAGE = "other_stage"
+    """A tensor of another pipeline stage (its layer index or module lies outside this stage)."""
+    UNUSED = "unused"
+    """A known tensor the model does not use: rotary caches, an LM head tied to the embedding."""
 
 
 def load_safetensors_weights(model: nn.Module, model_dir: Path, show_progress: bool = True) -> None:
