@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
+from cuda_ext.cpu_ops import load_cpu_ops
 from model_executor.cpu_decode_stack import CpuDecodeStackLlama as LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
 
@@ -329,3 +330,204 @@ def test_output_rows_skip_the_last_layer_for_the_others_and_cache_every_row(
         return
     assert selected[0].shape == (len(output_rows), model.config.hidden_size)
     torch.testing.assert_close(selected[0], full[0][output_rows], rtol=1e-6, atol=1e-6)
+
+
+# The stack alone, against a decoder step written out in torch (fp64): per-layer windows, q/k head norms, q/k/v
+# biases without an output bias (Qwen 2 and 3's layer shapes).
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 4, 2, 32, 64, 96  # 4 heads of 32: q is wider than hidden
+EPS = 1e-6
+STACK_WINDOW = 6
+# What add_layer is given per layer: -1 takes the stack's window, 0 none; 3 and 5 start inside a block of 4.
+LAYER_WINDOWS = [5, 0, 3, -1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotary of [tokens, heads, head_dim] by cos/sin [tokens, head_dim / 2]."""
+    first, second = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+def random_stack_layers(generator: torch.Generator, qk_norm_layers: set[int]) -> list[dict[str, Any]]:
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+
+    def weight(*shape: int) -> torch.Tensor:
+        return 0.2 * torch.randn(*shape, generator=generator)
+
+    def norm(size: int) -> torch.Tensor:
+        return 0.5 + torch.rand(size, generator=generator)
+
+    return [
+        {
+            "input_norm": norm(HIDDEN),
+            "qkv": weight(q_size + 2 * kv_size, HIDDEN),
+            "qkv_bias": weight(q_size + 2 * kv_size),
+            "o": weight(HIDDEN, q_size),
+            "post_norm": norm(HIDDEN),
+            "gate_up": weight(2 * INTER, HIDDEN),
+            "down": weight(HIDDEN, INTER),
+            "q_norm": norm(HEAD_DIM) if index in qk_norm_layers else None,
+            "k_norm": norm(HEAD_DIM) if index in qk_norm_layers else None,
+        }
+        for index in range(len(LAYER_WINDOWS))
+    ]
+
+
+def build_stack(layers: list[dict[str, Any]], panels: bool) -> Any:
+    ops = load_cpu_ops()
+    stack = ops.DecodeStack(
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        eps=EPS,
+        scale=HEAD_DIM**-0.5,
+        sliding_window=STACK_WINDOW,
+    )
+    for layer, window in zip(layers, LAYER_WINDOWS, strict=True):
+        linears = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
+        stack.add_layer(
+            layer["input_norm"],
+            layer["qkv"],
+            layer["qkv_bias"],
+            layer["o"],
+            None,
+            layer["post_norm"],
+            layer["gate_up"],
+            None,
+            layer["down"],
+            None,
+            *(ops.pack_panels(linear) if panels else None for linear in linears),
+            sliding_window=window,
+            q_norm_weight=layer["q_norm"],
+            k_norm_weight=layer["k_norm"],
+        )
+    return stack
+
+
+def reference_stack_step(
+    layers: list[dict[str, Any]],
+    windows: list[int],
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    caches: list[torch.Tensor],
+    tables: list[list[int]],
+    seq_lens: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step through `layers` in fp64, each layer attending to the last windows[i] keys (0: all); caches
+    [2, blocks, block_size, kv_heads, head_dim] get each token's key and value at position seq_len - 1."""
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    num_tokens = hidden.shape[0]
+    hidden, residual, cos, sin = (t.double() for t in (hidden, residual, cos, sin))
+    slot_lists = [
+        [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len)]
+        for table, seq_len in zip(tables, seq_lens, strict=True)
+    ]
+    for layer, window, cache in zip(layers, windows, caches, strict=True):
+        layer = {name: None if value is None else value.double() for name, value in layer.items()}
+        residual = hidden + residual
+        qkv = rms_norm(residual, layer["input_norm"]) @ layer["qkv"].T + layer["qkv_bias"]
+        query = qkv[:, :q_size].view(num_tokens, HEADS, HEAD_DIM)
+        key = qkv[:, q_size : q_size + kv_size].view(num_tokens, KV_HEADS, HEAD_DIM)
+        value = qkv[:, q_size + kv_size :].view(num_tokens, KV_HEADS, HEAD_DIM)
+        if layer["q_norm"] is not None:
+            query, key = rms_norm(query, layer["q_norm"]), rms_norm(key, layer["k_norm"])
+        query, key = rotate_half_pairs(query, cos, sin), rotate_half_pairs(key, cos, sin)
+        keys_by_slot, values_by_slot = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+        attended = []
+        for token, slots in enumerate(slot_lists):
+            keys_by_slot[slots[-1]], values_by_slot[slots[-1]] = key[token], value[token]
+            in_window = slots[-window:] if window > 0 else slots
+            keys = keys_by_slot[in_window].repeat_interleave(HEADS // KV_HEADS, dim=1)
+            values = values_by_slot[in_window].repeat_interleave(HEADS // KV_HEADS, dim=1)
+            scores = torch.einsum("hd,khd->hk", query[token], keys) * HEAD_DIM**-0.5
+            attended.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(q_size))
+        residual = torch.stack(attended) @ layer["o"].T + residual
+        gate, up = (rms_norm(residual, layer["post_norm"]) @ layer["gate_up"].T).chunk(2, dim=-1)
+        hidden = (torch.nn.functional.silu(gate) * up) @ layer["down"].T
+    return hidden, residual
+
+
+@pytest.mark.parametrize("panels", [False, True])
+# 7 tokens: every kernel spread over the threads; 40 on 2 threads: each thread takes its own tokens.
+@pytest.mark.parametrize(("num_tokens", "num_threads"), [(7, 1), (40, 2)])
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_stack_with_per_layer_windows_and_qk_norms_matches_a_torch_step(
+    panels: bool, num_tokens: int, num_threads: int, has_residual: bool
+) -> None:
+    generator = torch.Generator().manual_seed(num_tokens)
+    layers = random_stack_layers(generator, qk_norm_layers={0, 2, 3})
+    windows = [STACK_WINDOW if window == -1 else window for window in LAYER_WINDOWS]
+    # Contexts from 1 to 30 keys: shorter and longer than each window; shuffled blocks, disjoint per request.
+    seq_lens = [1 + (11 * token) % 30 for token in range(num_tokens)]
+    blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = [blocks[token * 8 : (token + 1) * 8] for token in range(num_tokens)]
+    slots = [
+        table[(seq_len - 1) // BLOCK_SIZE] * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE
+        for table, seq_len in zip(tables, seq_lens, strict=True)
+    ]
+    # Earlier tokens' keys and values: whatever the cache holds; the step writes each new token's.
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator) for _ in layers]
+    hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+    residual = torch.randn(num_tokens, HIDDEN, generator=generator) if has_residual else torch.zeros(num_tokens, HIDDEN)
+    angles = torch.tensor(seq_lens)[:, None] - 1.0
+    angles = angles * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    cos, sin = angles.cos(), angles.sin()
+
+    reference_caches = [cache.double() for cache in caches]
+    expected = reference_stack_step(layers, windows, hidden, residual, reference_caches, tables, seq_lens, cos, sin)
+    stack = build_stack(layers, panels)
+    out_hidden, out_residual = (
+        hidden.clone(),
+        residual.clone() if has_residual else torch.full_like(hidden, float("nan")),
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        stack.forward(
+            out_hidden,
+            out_residual,
+            has_residual,
+            caches,
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(slots, dtype=torch.int64),
+            cos,
+            sin,
+            False,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out_hidden.double(), expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out_residual.double(), expected[1], atol=1e-4, rtol=1e-4)
+    for cache, reference_cache in zip(caches, reference_caches, strict=True):
+        torch.testing.assert_close(cache.double(), reference_cache, atol=1e-4, rtol=1e-4)
+    # Each feature changes this step: a stack that ran one window everywhere, or skipped the head norms, would fail.
+    for other_layers, other_windows in (
+        (layers, [STACK_WINDOW] * len(layers)),
+        ([{**layer, "q_norm": None, "k_norm": None} for layer in layers], windows),
+    ):
+        other_caches = [cache.double() for cache in caches]
+        other = reference_stack_step(
+            other_layers, other_windows, hidden, residual, other_caches, tables, seq_lens, cos, sin
+        )
+        assert not torch.allclose(other[0], expected[0], atol=1e-3, rtol=1e-3)
+
+
+def test_stack_refuses_a_bad_layer_window_or_head_norm() -> None:
+    layer = random_stack_layers(torch.Generator().manual_seed(0), qk_norm_layers=set())[0]
+    stack = load_cpu_ops().DecodeStack(HEADS, KV_HEADS, HEAD_DIM, EPS, HEAD_DIM**-0.5, STACK_WINDOW)
+    # No biases and no panels: the 14 positional arguments every caller passes.
+    plain = [layer["input_norm"], layer["qkv"], None, layer["o"], None, layer["post_norm"], layer["gate_up"], None]
+    positional = [*plain, layer["down"], *[None] * 5]
+    with pytest.raises(RuntimeError, match="sliding_window is -1"):
+        stack.add_layer(*positional, sliding_window=-2)
+    with pytest.raises(RuntimeError, match=f"q_norm must have {HEAD_DIM} elements"):
+        stack.add_layer(*positional, q_norm_weight=torch.ones(HEAD_DIM + 1))
+    with pytest.raises(RuntimeError, match="k_norm must be a contiguous CPU fp32"):
+        stack.add_layer(*positional, k_norm_weight=torch.ones(HEAD_DIM, dtype=torch.float64))

@@ -234,6 +234,188 @@ def test_prefill_attention_rejects_what_it_cannot_read() -> None:
         )
 
 
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Attention in fp64 straight from the definition: request i's query_lens[i] tokens are its last positions,
+    each attends to the keys at or before it (the last `sliding_window` of them), scores scaled and then capped to
+    soft_cap * tanh(score / soft_cap) before the softmax."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    keys_by_slot, values_by_slot = (kv_cache[i].flatten(0, 1).double() for i in (0, 1))
+    outputs, start = [], 0
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        slots = [table[pos // block_size] * block_size + pos % block_size for pos in range(seq_len)]
+        keys = keys_by_slot[slots].repeat_interleave(group, dim=1)
+        values = values_by_slot[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start : start + query_len].double(), keys) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        positions = torch.arange(seq_len - query_len, seq_len)[:, None]
+        key_positions = torch.arange(seq_len)[None, :]
+        allowed = key_positions <= positions
+        if sliding_window is not None:
+            allowed &= key_positions > positions - sliding_window
+        probabilities = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", probabilities, values))
+        start += query_len
+    return torch.cat(outputs)
+
+
+def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(table) for table in block_tables)
+    return torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int32)
+
+
+# Scores around +-1 (most below a quarter of the cap, where tanh is its polynomial), around +-30 (capped hard),
+# and around +-3000 (tanh saturated at +-1).
+QUERY_SCALES = [0.3, 8.0, 800.0]
+SOFT_CAPPED_DECODE_CASES = [
+    (8, 4, 64, 16, None, torch.float32),  # a KV head's two query heads in one pass (vector lanes)
+    (8, 2, 128, 16, 20, torch.float32),  # one query head at a time (vector lanes), a window
+    (6, 2, 18, 16, 13, torch.float32),  # the general loop: head_dim not a multiple of any vector width
+    (4, 2, 32, 5, None, torch.float32),  # key tiles across blocks of 5
+    (4, 1, 64, 16, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window", "dtype", "query_scale"),
+    [
+        (*case, query_scale)
+        for case in SOFT_CAPPED_DECODE_CASES
+        for query_scale in QUERY_SCALES
+        # bf16 output rounds away what so gentle a cap changes.
+        if case[-1] == torch.float32 or query_scale > 1
+    ],
+)
+def test_soft_capped_decode_attention_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    query_scale: float,
+) -> None:
+    ops = load_cpu_ops()
+    soft_cap = 4.0
+    generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 100]
+    batch, query, _, _, kv_cache = random_decode_case(
+        generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    query = (query.float() * query_scale).to(dtype)
+    scale = head_dim**-0.5
+    tables = padded_tables(batch.block_tables)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    outputs = {}
+    for cap in (soft_cap, 0.0):
+        outputs[cap] = torch.full_like(query, float("nan"))
+        ops.paged_decode_attention(
+            outputs[cap], query, kv_cache[0], kv_cache[1], tables, lens, scale, sliding_window or 0, soft_cap=cap
+        )
+    expected = paged_attention_reference(
+        query, kv_cache, batch.block_tables, seq_lens, [1] * len(seq_lens), scale, sliding_window, soft_cap
+    )
+    torch.testing.assert_close(outputs[soft_cap].double(), expected, **TOLERANCE[dtype])
+    # A kernel that ignored the cap would fail the check above.
+    assert not torch.allclose(outputs[0.0].double(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"),
+    [
+        (9, 3, 64, 16, None),
+        (4, 1, 32, 5, 13),  # windows starting inside a block, a key tile and a query tile
+        (6, 2, 48, 16, 40),
+    ],
+)
+@pytest.mark.parametrize("query_scale", QUERY_SCALES)
+def test_soft_capped_prefill_attention_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int | None, query_scale: float
+) -> None:
+    ops = load_cpu_ops()
+    soft_cap = 4.0
+    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
+    query_lens, context_lens = [1, 15, 17, 40, 3, 33], [0, 0, 0, 50, block_size, 100]
+    batch, query, _, _, kv_cache = random_prefill_case(
+        generator, [], query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32
+    )
+    query = query * query_scale
+    scale = head_dim**-0.5
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+    outputs = {}
+    for cap in (soft_cap, 0.0):
+        outputs[cap] = torch.full_like(query, float("nan"))
+        ops.paged_prefill_attention(
+            outputs[cap],
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            padded_tables(batch.block_tables),
+            starts,
+            seq_lens,
+            scale,
+            sliding_window or 0,
+            soft_cap=cap,
+        )
+    expected = paged_attention_reference(
+        query, kv_cache, batch.block_tables, batch.seq_lens, query_lens, scale, sliding_window, soft_cap
+    )
+    torch.testing.assert_close(outputs[soft_cap].double(), expected, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(outputs[0.0].double(), expected, atol=2e-5, rtol=2e-5)  # the cap matters here
+
+
+def test_each_capped_score_equals_cap_tanh_of_the_score() -> None:
+    """One score per request, read back exactly: key 0 is e_0 with value e_0, key 1 is zero with value zero, so with
+    scale 1 a query s * e_0 outputs sigmoid(capped s) in dimension 0. Scores from -60 to 60 (saturated), fine around
+    zero and around a quarter of the cap (where tanh changes method), through the decode and the prefill kernel."""
+    ops = load_cpu_ops()
+    soft_cap, head_dim, block_size = 4.0, 64, 16
+    scores = torch.cat(
+        [torch.linspace(-60, 60, 241), torch.linspace(-1.5, 1.5, 301), torch.linspace(-1e-3, 1e-3, 21)]
+    ).double()
+    num_seqs = scores.numel()
+    kv_cache = torch.zeros(2, num_seqs, block_size, 1, head_dim)
+    kv_cache[:, :, 0, 0, 0] = 1.0
+    query = torch.zeros(num_seqs, 1, head_dim)
+    query[:, 0, 0] = scores.float()
+    tables = torch.arange(num_seqs, dtype=torch.int32)[:, None]
+    lens = torch.full((num_seqs,), 2, dtype=torch.int32)
+    expected = torch.sigmoid(soft_cap * torch.tanh(scores / soft_cap))
+    decoded, prefilled = torch.zeros_like(query), torch.zeros_like(query)
+    ops.paged_decode_attention(decoded, query, kv_cache[0], kv_cache[1], tables, lens, 1.0, 0, soft_cap=soft_cap)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    ops.paged_prefill_attention(
+        prefilled, query, kv_cache[0], kv_cache[1], tables, starts, lens, 1.0, 0, soft_cap=soft_cap
+    )
+    # 1e-6 in probability: about 5e-6 of score at the steepest, a few ulp of the output's rounding.
+    for output in (decoded, prefilled):
+        torch.testing.assert_close(output[:, 0, 0].double(), expected, atol=1e-6, rtol=0)
+
+
+def test_attention_kernels_refuse_a_negative_soft_cap() -> None:
+    ops = load_cpu_ops()
+    cache = torch.zeros(2, 4, 16, 1, 16)
+    query, output = torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="soft_cap must be 0"):
+        ops.paged_decode_attention(output, query, cache[0], cache[1], tables, lens, 1.0, 0, soft_cap=-1.0)
+    with pytest.raises(RuntimeError, match="soft_cap must be 0"):
+        ops.paged_prefill_attention(
+            output, query, cache[0], cache[1], tables, torch.tensor([0, 1], dtype=torch.int32), lens, 1.0, 0, -1.0
+        )
+
+
 def test_kv_write_rejects_a_slot_outside_the_cache() -> None:
     ops = load_cpu_ops()
     cache = torch.zeros(2, 2, 4, 1, 16)

@@ -81,6 +81,48 @@ inline float exp_and_sum(float* row, int64_t count, float max) {
   return total;
 }
 
+// tanh within a few ulp: below |x| = 1/4 its odd Taylor polynomial to x^9 (the next term is under 1e-8 of x),
+// above it 1 - 2 / (e^(2|x|) + 1), which no longer cancels there and saturates to 1 (exp_lanes clamps, no inf).
+inline Lanes tanh_lanes(Lanes x) {
+  const Lanes magnitude = x < 0.f ? -x : x;
+  const Lanes square = x * x;
+  Lanes series = broadcast(62.f / 2835.f);
+  series = series * square - 17.f / 315.f;
+  series = series * square + 2.f / 15.f;
+  series = series * square - 1.f / 3.f;
+  const Lanes small = x + x * square * series;
+  const Lanes large = 1.f - 2.f / (exp_lanes(2.f * magnitude) + 1.f);
+  return magnitude < 0.25f ? small : (x < 0.f ? -large : large);
+}
+
+// Gemma 2's logit soft-capping of scaled scores: cap * tanh(score / cap).
+inline Lanes soft_cap_lanes(Lanes scores, float cap) {
+  return cap * tanh_lanes(scores / cap);
+}
+
+// row[i] = cap * tanh(row[i] / cap) for `count` scores; returns their max. The tail goes through the same vector
+// code as the rest, so a key's capped score does not depend on where it falls.
+inline float soft_cap_row(float* row, int64_t count, float cap) {
+  Lanes highest = broadcast(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    const Lanes capped = soft_cap_lanes(load_lanes(row + i), cap);
+    store_lanes(row + i, capped);
+    highest = capped > highest ? capped : highest;
+  }
+  if (i < count) {
+    alignas(64) float tail[kLanes] = {};
+    std::copy(row + i, row + count, tail);
+    const Lanes capped = soft_cap_lanes(load_lanes(tail), cap);
+    store_lanes(tail, capped);
+    std::copy(tail, tail + (count - i), row + i);
+    for (int64_t j = 0; j < count - i; ++j) {
+      highest[0] = std::max(highest[0], tail[j]);
+    }
+  }
+  return max_lanes(highest);
+}
+
 // Keys per dot-product tile: their lane sums are folded together, not one horizontal sum per key.
 constexpr int64_t kKeyTile = 8;
 
@@ -172,11 +214,13 @@ struct KeyRowsAhead {
 // live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
 // `fetch_ahead`: the first head of its KV head's group, which reads the rows from memory (the others find them in
 // cache); it asks for each key row kPrefetchRows ahead of its dot product and for each value row meanwhile.
-// `next_item`: key rows to ask for during the value pass (the next group's, for a group's last head).
+// `next_item`: key rows to ask for during the value pass (the next group's, for a group's last head). soft_cap > 0
+// caps the scores once all are in.
 template <int64_t kChunks>
 void attend_head_lanes(
     const float* query,
     float scale,
+    float soft_cap,
     CacheRowCursor keys,
     CacheRowCursor values,
     int64_t num_keys,
@@ -219,6 +263,9 @@ void attend_head_lanes(
       max_score = std::max(max_score, scores[key + i]);
     }
   }
+  if (soft_cap > 0.f) {
+    max_score = soft_cap_row(scores, num_keys, soft_cap);
+  }
   const float inverse_sum = 1.f / exp_and_sum(scores, num_keys, max_score);
   // Two sets of accumulators when they fit in registers: one FMA chain per set would wait on its latency.
   constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
@@ -251,8 +298,8 @@ void attend_head_lanes(
   }
 }
 
-using AttendHeadLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*, bool,
-                                 KeyRowsAhead);
+using AttendHeadLanes = void (*)(const float*, float, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*,
+                                 bool, KeyRowsAhead);
 
 // The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
 inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
@@ -278,7 +325,7 @@ inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
 // contiguous. Asks for each key row kPrefetchRows ahead and each value row meanwhile, and for `next_item`'s key
 // rows during the value pass.
 template <int64_t kChunks, int64_t kGroup>
-void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, CacheRowCursor values,
+void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRowCursor keys, CacheRowCursor values,
                         int64_t num_keys, float* scores, float* output, KeyRowsAhead next_item) {
   constexpr int64_t kHeadDim = kChunks * kLanes;
   Lanes scaled_query[kGroup][kChunks];
@@ -325,6 +372,9 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
   }
   float inverse_sum[kGroup];
   for (int64_t h = 0; h < kGroup; ++h) {
+    if (soft_cap > 0.f) {
+      max_score[h] = soft_cap_row(scores + h * score_stride, num_keys, soft_cap);
+    }
     inverse_sum[h] = 1.f / exp_and_sum(scores + h * score_stride, num_keys, max_score[h]);
   }
   constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
@@ -363,8 +413,8 @@ void attend_group_lanes(const float* query, float scale, CacheRowCursor keys, Ca
   }
 }
 
-using AttendGroupLanes = void (*)(const float*, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*,
-                                  KeyRowsAhead);
+using AttendGroupLanes = void (*)(const float*, float, float, CacheRowCursor, CacheRowCursor, int64_t, float*,
+                                  float*, KeyRowsAhead);
 
 template <int64_t kChunks>
 inline AttendGroupLanes attend_group_lanes_of(int64_t group) {
@@ -415,7 +465,8 @@ void decode_attention_kernel(
     int64_t query_stride,
     int64_t output_stride,
     float scale,
-    int64_t sliding_window) {
+    int64_t sliding_window,
+    float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
   // Items rather than requests, so one long request still spreads over the threads: (request, KV head) on the
   // query-group path, else (request, head) with a request's heads next to each other (the keys and values come
@@ -468,7 +519,7 @@ void decode_attention_kernel(
             next_item = next_item_rows((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys);
           }
           const int64_t first_head = kv_head * group;
-          attend_group(query + seq * query_stride + first_head * head_dim, scale,
+          attend_group(query + seq * query_stride + first_head * head_dim, scale, soft_cap,
                        kv_rows(seq, kv_head, first, cache.keys), kv_rows(seq, kv_head, first, cache.values), num_keys,
                        scores.data(), output + seq * output_stride + first_head * head_dim, next_item);
         }
@@ -505,7 +556,7 @@ void decode_attention_kernel(
           if (head % group == group - 1 && item + 1 < end) {
             next_item = next_item_rows((item + 1) / num_heads, ((item + 1) % num_heads) / group, cache.keys);
           }
-          attend_lanes(head_query, scale, keys, values, num_keys, scores.data(),
+          attend_lanes(head_query, scale, soft_cap, keys, values, num_keys, scores.data(),
                        output + seq * output_stride + head * head_dim, group_leader, next_item);
           continue;
         }
@@ -525,6 +576,9 @@ void decode_attention_kernel(
           scores[key] = dot;
           max_score = std::max(max_score, dot);
         }
+      }
+      if (soft_cap > 0.f) {
+        max_score = soft_cap_row(scores.data(), num_keys, soft_cap);
       }
       const float inverse_sum = 1.f / exp_and_sum(scores.data(), num_keys, max_score);
       std::fill(accumulator, accumulator + head_dim, 0.f);
@@ -547,7 +601,7 @@ void decode_attention_kernel(
 
 // DecodeStack's instance: decode_stack.cpp sees only the declaration.
 template void decode_attention_kernel<float>(const float*, const PagedCache<float>&, float*, const int32_t*, int64_t,
-                                              int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+                                              int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
 
 namespace {
 
@@ -573,7 +627,8 @@ void prefill_attention_kernel(
     int64_t query_stride,
     int64_t output_stride,
     float scale,
-    int64_t sliding_window) {
+    int64_t sliding_window,
+    float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_rows = kPrefillTile * group;
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (request, its first query token in the tile)
@@ -672,7 +727,8 @@ void prefill_attention_kernel(
             const int32_t lowest = sliding_window > 0 ? position - static_cast<int32_t>(sliding_window) + 1 : 0;
             const IntLanes valid =
                 (key_index <= position) & (key_index >= lowest) & (lane_index < static_cast<int32_t>(count));
-            const Lanes masked = valid ? scores[b] * scale : minus_infinity;
+            const Lanes scaled = soft_cap > 0.f ? soft_cap_lanes(scores[b] * scale, soft_cap) : scores[b] * scale;
+            const Lanes masked = valid ? scaled : minus_infinity;
             const float tile_max = max_lanes(masked);
             float* row_probabilities = probabilities.data() + row * kLanes;
             if (tile_max == -std::numeric_limits<float>::infinity()) {
@@ -765,8 +821,10 @@ void paged_decode_attention(
     const torch::Tensor& block_tables,
     const torch::Tensor& seq_lens,
     double scale,
-    int64_t sliding_window) {
+    int64_t sliding_window,
+    double soft_cap) {
   check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be 0 (off) or positive");
   const int64_t num_seqs = query.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per seq");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
@@ -782,7 +840,8 @@ void paged_decode_attention(
         query.stride(0),
         output.stride(0),
         static_cast<float>(scale),
-        sliding_window);
+        sliding_window,
+        static_cast<float>(soft_cap));
   });
 }
 
@@ -795,8 +854,10 @@ void paged_prefill_attention(
     const torch::Tensor& query_starts,
     const torch::Tensor& seq_lens,
     double scale,
-    int64_t sliding_window) {
+    int64_t sliding_window,
+    double soft_cap) {
   check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
+  TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be 0 (off) or positive");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && output.scalar_type() == torch::kFloat32, "fp32 only");
   TORCH_CHECK(query.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
   // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
@@ -825,7 +886,8 @@ void paged_prefill_attention(
       query.stride(0),
       output.stride(0),
       static_cast<float>(scale),
-      sliding_window);
+      sliding_window,
+      static_cast<float>(soft_cap));
 }
 
 }  // namespace pagedserve

@@ -23,7 +23,8 @@ struct PagedCache {
 };
 
 // One query token per request against its cached keys: query and output rows [num_heads, head_dim] at
-// query_stride / output_stride apart; seq_lens count each request's keys. Other files get the fp32 instance.
+// query_stride / output_stride apart; seq_lens count each request's keys; sliding_window <= 0 means none, soft_cap
+// <= 0 no capping. Other files get the fp32 instance.
 template <typename scalar_t>
 void decode_attention_kernel(
     const scalar_t* query,
@@ -37,10 +38,12 @@ void decode_attention_kernel(
     int64_t query_stride,
     int64_t output_stride,
     float scale,
-    int64_t sliding_window);
+    int64_t sliding_window,
+    float soft_cap);
 
 // query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
-// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none.
+// block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none; soft_cap > 0
+// caps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2), 0 leaves it.
 void paged_decode_attention(
     torch::Tensor& output,
     const torch::Tensor& query,
@@ -49,12 +52,13 @@ void paged_decode_attention(
     const torch::Tensor& block_tables,
     const torch::Tensor& seq_lens,
     double scale,
-    int64_t sliding_window);
+    int64_t sliding_window,
+    double soft_cap);
 
 // Prefill chunks over the paged cache, fp32 with head_dim a multiple of vector_lanes. query and output
 // [tokens, heads, head_dim]: the chunks' tokens, request i's at rows query_starts[i] .. query_starts[i + 1];
 // block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32: cached keys plus the chunk's own, whose keys and
-// values must be in the cache already (reshape_and_cache first).
+// values must be in the cache already (reshape_and_cache first). sliding_window and soft_cap as in decode.
 void paged_prefill_attention(
     torch::Tensor& output,
     const torch::Tensor& query,
@@ -64,6 +68,7 @@ void paged_prefill_attention(
     const torch::Tensor& query_starts,
     const torch::Tensor& seq_lens,
     double scale,
-    int64_t sliding_window);
+    int64_t sliding_window,
+    double soft_cap);
 
 }  // namespace pagedserve

@@ -11,10 +11,17 @@
 using namespace pagedserve;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention over the KV cache");
+  // soft_cap: a keyword with a default, so callers that predate it keep working.
+  module.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention over the KV cache",
+             pybind11::arg("output"), pybind11::arg("query"), pybind11::arg("key_cache"),
+             pybind11::arg("value_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+             pybind11::arg("scale"), pybind11::arg("sliding_window"), pybind11::arg("soft_cap") = 0.0);
   // Without the GIL: the worker's other threads (Ray's RPC) go on meanwhile.
   module.def("paged_prefill_attention", &paged_prefill_attention, "Paged prefill attention over the KV cache",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
+             pybind11::arg("output"), pybind11::arg("query"), pybind11::arg("key_cache"),
+             pybind11::arg("value_cache"), pybind11::arg("block_tables"), pybind11::arg("query_starts"),
+             pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("sliding_window"),
+             pybind11::arg("soft_cap") = 0.0, pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("reshape_and_cache", &reshape_and_cache, "Write new keys and values into the paged cache");
   module.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   module.def("rotary_embedding", &rotary_embedding, "NeoX rotary embedding of query and key, in place");
@@ -31,7 +38,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("sliding_window"))
-      .def("add_layer", &DecodeStack::add_layer)
+      // Positional as before up to down_panels; the later arguments by keyword only, with defaults.
+      .def("add_layer", &DecodeStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("qkv"),
+           pybind11::arg("qkv_bias"), pybind11::arg("o"), pybind11::arg("o_bias"), pybind11::arg("post_norm"),
+           pybind11::arg("gate_up"), pybind11::arg("gate_up_bias"), pybind11::arg("down"),
+           pybind11::arg("down_bias"), pybind11::arg("qkv_panels"), pybind11::arg("o_panels"),
+           pybind11::arg("gate_up_panels"), pybind11::arg("down_panels"), pybind11::kw_only(),
+           pybind11::arg("sliding_window") = -1, pybind11::arg("q_norm_weight") = pybind11::none(),
+           pybind11::arg("k_norm_weight") = pybind11::none())
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs);

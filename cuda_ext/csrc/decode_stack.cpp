@@ -20,7 +20,7 @@ namespace {
 // A layer's stages, in order; between two, a token's state is its rows of hidden, residual and the scratch.
 enum Stage : int64_t {
   kNormAndQkv,          // input add + RMSNorm, QKV projection
-  kRotaryAndAttention,  // rotary, the KV-cache write, paged attention
+  kRotaryAndAttention,  // q/k head norms, rotary, the KV-cache write, paged attention
   kOutputAndNorm,       // output projection, post-attention add + RMSNorm
   kGateUp,              // gate/up projection, SiLU-and-mul
   kDown,                // down projection
@@ -50,12 +50,12 @@ void check_rows_of(const torch::Tensor& tensor, int64_t rows, int64_t columns, c
   TORCH_CHECK(tensor.size(0) == rows, name, " must have one row per token");
 }
 
-torch::Tensor bias_or_empty(const std::optional<torch::Tensor>& bias, int64_t size, const char* name) {
-  if (!bias.has_value() || !bias->defined()) {
+torch::Tensor vector_or_empty(const std::optional<torch::Tensor>& vector, int64_t size, const char* name) {
+  if (!vector.has_value() || !vector->defined()) {
     return torch::Tensor();
   }
-  check_vector(*bias, size, name);
-  return *bias;
+  check_vector(*vector, size, name);
+  return *vector;
 }
 
 torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const torch::Tensor& weight,
@@ -183,7 +183,9 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
                             const std::optional<torch::Tensor>& qkv_panels,
                             const std::optional<torch::Tensor>& o_panels,
                             const std::optional<torch::Tensor>& gate_up_panels,
-                            const std::optional<torch::Tensor>& down_panels) {
+                            const std::optional<torch::Tensor>& down_panels, int64_t sliding_window,
+                            const std::optional<torch::Tensor>& q_norm,
+                            const std::optional<torch::Tensor>& k_norm) {
   const int64_t hidden = input_norm.size(0);
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -195,15 +197,20 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
   check_vector(input_norm, hidden, "input_norm");
   check_vector(post_norm, hidden, "post_norm");
   TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
+  TORCH_CHECK(sliding_window >= -1, "a layer's sliding_window is -1 (the stack's), 0 (none) or a window");
   layers_.push_back(
       Layer{input_norm,
-            Linear{qkv, bias_or_empty(qkv_bias, qkv_rows, "qkv bias"), panels_or_empty(qkv_panels, qkv, "qkv panels")},
-            Linear{o, bias_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels")},
+            Linear{qkv, vector_or_empty(qkv_bias, qkv_rows, "qkv bias"),
+                   panels_or_empty(qkv_panels, qkv, "qkv panels")},
+            Linear{o, vector_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels")},
             post_norm,
-            Linear{gate_up, bias_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
+            Linear{gate_up, vector_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
                    panels_or_empty(gate_up_panels, gate_up, "gate_up panels")},
-            Linear{down, bias_or_empty(down_bias, hidden, "down bias"),
-                   panels_or_empty(down_panels, down, "down panels")}});
+            Linear{down, vector_or_empty(down_bias, hidden, "down bias"),
+                   panels_or_empty(down_panels, down, "down panels")},
+            sliding_window == -1 ? sliding_window_ : sliding_window,
+            vector_or_empty(q_norm, head_dim_, "q_norm"),
+            vector_or_empty(k_norm, head_dim_, "k_norm")});
   hidden_ = hidden;
   inter_ = inter;
 }
@@ -309,6 +316,12 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           float* value_cache = key_cache + cache.stride(0);
           for (int64_t token = 0; token < count; ++token) {
             float* token_qkv = qkv + token * qkv_rows;
+            if (layer.q_norm.defined()) {
+              rms_norm_heads(token_qkv, num_heads_, head_dim_, layer.q_norm.data_ptr<float>(), eps_);
+            }
+            if (layer.k_norm.defined()) {
+              rms_norm_heads(token_qkv + q_size, num_kv_heads_, head_dim_, layer.k_norm.data_ptr<float>(), eps_);
+            }
             const float* cos_row = step.cos + (begin + token) * half;
             const float* sin_row = step.sin + (begin + token) * half;
             rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
@@ -323,7 +336,8 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           const PagedCache<float> paged{key_cache, value_cache, step.block_tables + begin * step.width,
                                         step.width, step.block_size, cache.stride(1), cache.stride(2)};
           decode_attention_kernel<float>(qkv, paged, attended, step.seq_lens + begin, count, num_heads_,
-                                         num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, sliding_window_);
+                                         num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, layer.sliding_window,
+                                         /*soft_cap=*/0.f);
           break;
         }
         case kOutputAndNorm:

@@ -10,8 +10,9 @@
 namespace pagedserve {
 
 // fp32 decode tokens through a stack of Llama decoder layers in one call: per layer the residual add and RMSNorm,
-// the fused QKV projection, rotary, the KV-cache write, paged attention, the output projection, the second norm
-// and the SwiGLU MLP, without the Python and dispatch overhead of a step's ~30 small ops per layer. Projections
+// the fused QKV projection (with or without bias), an optional RMSNorm of each query and key head (Qwen 3), rotary,
+// the KV-cache write, paged attention within the layer's own sliding window, the output projection, the second
+// norm and the SwiGLU MLP, without the Python and dispatch overhead of a step's ~30 small ops per layer. Projections
 // run panel_linear_kernel on the layer's panel-packed weights, or linear_tokens_kernel on the plain weights where a
 // layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
 // forward); with fewer, every kernel spreads over the threads.
@@ -21,14 +22,17 @@ class DecodeStack {
               int64_t sliding_window);
 
   // Biases and panel weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
-  // contiguous rows; a panel weight is the same weight as pack_panels lays it out.
+  // contiguous rows; a panel weight is the same weight as pack_panels lays it out. sliding_window: this layer's
+  // (-1: the stack's, 0: none). q_norm / k_norm: [head_dim] weights of an RMSNorm (the stack's eps) of each query
+  // / key head after the projection and before rotary, or None.
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
                  const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                  const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
                  const torch::Tensor& down, const std::optional<torch::Tensor>& down_bias,
                  const std::optional<torch::Tensor>& qkv_panels, const std::optional<torch::Tensor>& o_panels,
-                 const std::optional<torch::Tensor>& gate_up_panels,
-                 const std::optional<torch::Tensor>& down_panels);
+                 const std::optional<torch::Tensor>& gate_up_panels, const std::optional<torch::Tensor>& down_panels,
+                 int64_t sliding_window, const std::optional<torch::Tensor>& q_norm,
+                 const std::optional<torch::Tensor>& k_norm);
 
   // hidden and residual [tokens, hidden_size], in place: in, the stack's input (residual unread without
   // has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
@@ -60,6 +64,8 @@ class DecodeStack {
     Linear qkv, o;
     torch::Tensor post_norm;
     Linear gate_up, down;
+    int64_t sliding_window;  // <= 0: none
+    torch::Tensor q_norm, k_norm;  // may be undefined
   };
 
   // Runs `rows` from their layer and stage through the last layer; returns how many it ran to the end. With a

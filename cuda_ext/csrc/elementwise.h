@@ -1,5 +1,6 @@
-// Fused per-token elementwise kernels: residual add + RMSNorm, NeoX rotary embedding, SiLU-and-mul, and the
-// KV-cache write. The row helpers are inline templates: DecodeStack runs them per token, inside its own loops.
+// Fused per-token elementwise kernels: residual add + RMSNorm, per-head RMSNorm, NeoX rotary embedding,
+// SiLU-and-mul, and the KV-cache write. The row helpers are inline: DecodeStack runs them per token, inside its own
+// loops.
 #pragma once
 
 #include <torch/types.h>
@@ -73,6 +74,32 @@ void add_rms_norm_row(scalar_t* x, scalar_t* residual, const scalar_t* weight, i
   for (int64_t i = 0; i < hidden; ++i) {
     const scalar_t normed = static_cast<scalar_t>(static_cast<float>(residual[i]) * inverse_rms);
     x[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+  }
+}
+
+// In place, each of one token's `num_heads` contiguous fp32 heads: x = weight * (x / rms(x)), Qwen 3's RMSNorm of
+// every query and key head over head_dim (one weight for all heads).
+inline void rms_norm_heads(float* heads, int64_t num_heads, int64_t head_dim, const float* weight, float eps) {
+  const bool lanes = head_dim % kLanes == 0;
+  for (int64_t head = 0; head < num_heads; ++head) {
+    float* x = heads + head * head_dim;
+    float squares = 0.f;
+    if (lanes) {
+      Lanes sum = {};
+      for (int64_t i = 0; i < head_dim; i += kLanes) {
+        const Lanes values = load_lanes(x + i);
+        sum += values * values;
+      }
+      squares = sum_lanes(sum);
+    } else {
+      for (int64_t i = 0; i < head_dim; ++i) {
+        squares += x[i] * x[i];
+      }
+    }
+    const float inverse_rms = 1.f / std::sqrt(squares / head_dim + eps);
+    for (int64_t i = 0; i < head_dim; ++i) {
+      x[i] = weight[i] * (x[i] * inverse_rms);
+    }
   }
 }
 
