@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib.metadata
 import logging
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -53,9 +54,15 @@ def package_version() -> str:
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
+    """Exit status 2 and one line when the model cannot be had (unknown name, offline and not cached, gated)."""
     from model_executor.model_fetch import resolve_model
 
-    model_dir = resolve_model(args.model)
+    try:
+        model_dir = resolve_model(
+            args.model, revision=args.revision, download_dir=args.download_dir, weights=True, show_progress=True
+        )
+    except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: fetching an alias failed
+        fail(error)
     # The last line is the directory, so scripts can take it with `tail -n 1`.
     sys.stdout.write(f"{model_dir}\n")
     return 0
@@ -80,13 +87,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def check_model(config: AppConfig) -> AppConfig:
     """Resolve the model (fetching an alias once) and read its HF config before Ray starts, so a wrong model or a
     max_model_len above the model's is one line now instead of a failed deployment later. A relative directory
-    becomes absolute (Ray's processes have other working directories); clients still see the name as given."""
-    from model_executor.model_fetch import MODEL_ALIASES, resolve_model
+    becomes absolute (Ray's processes have other working directories); clients still see the name as given.
+
+    A hub id is downloaded here with its weights when Ray starts on this node (its workers share this cache; the
+    bar shows), else config and tokenizer only; then pinned: `model.name` the repo id, `model.revision` the commit
+    resolved now, so every process on every node loads that one commit (each node fetches into its own cache)."""
+    from model_executor import hub
+    from model_executor.model_fetch import MODEL_ALIASES, hub_commit_for, resolve_model
     from model_executor.tiny_model import TINY_ALIAS
 
-    name = config.model.name
+    model = config.model
+    name = model.name
     try:
-        model_dir = resolve_model(name)
+        model_dir = resolve_model(
+            name,
+            revision=model.revision,
+            download_dir=model.download_dir,
+            # RAY_ADDRESS: the workers run on the cluster's nodes, which fetch the weights themselves.
+            weights=not os.environ.get("RAY_ADDRESS"),
+            show_progress=True,
+        )
     except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: fetching an alias failed
         raise ConfigError(str(error)) from None
     from model_executor.model_info import load_model_info  # torch and transformers: only once the model exists
@@ -96,13 +116,16 @@ def check_model(config: AppConfig) -> AppConfig:
         load_model_info(model_dir, config, cuda_available=True)
     except (ValueError, OSError, AttributeError) as error:
         raise ConfigError(f"model {name!r}: {error}") from None
-    is_alias = name in MODEL_ALIASES or name == TINY_ALIAS
-    if is_alias or name == str(model_dir):
+    commit = hub_commit_for(name, model_dir)
+    if commit is not None:
+        update = {"name": hub.split_revision(name)[0], "revision": commit}
+    elif name in MODEL_ALIASES or name == TINY_ALIAS or name == str(model_dir):
         return config
-    update = {"name": str(model_dir)}
-    if config.model.served_model_name is None:
+    else:
+        update = {"name": str(model_dir)}
+    if model.served_model_name is None:
         update["served_model_name"] = name
-    return config.model_copy(update={"model": config.model.model_copy(update=update)})
+    return config.model_copy(update={"model": model.model_copy(update=update)})
 
 
 def serve_config(args: argparse.Namespace) -> AppConfig:
@@ -182,7 +205,8 @@ def add_serve_parser(commands: Any) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="A model alias (see `pagedserve fetch-model`) or a local HF directory; the same as --model.",
+        help="A model alias (see `pagedserve fetch-model`), a local HF directory or a hub id org/name[@revision]; "
+        "the same as --model.",
     )
     serve.add_argument(
         "--config",
@@ -207,9 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(commands)
 
-    fetch = commands.add_parser("fetch-model", help="download and convert a model alias, print its directory")
+    fetch = commands.add_parser(
+        "fetch-model",
+        help="download a model alias (and convert it) or a hub id's snapshot, print its directory",
+        description="Download MODEL and print its local directory (the last line). An alias is fetched and "
+        "converted under $PAGEDSERVE_HOME; a Hugging Face hub id org/name[@revision] is downloaded (config, "
+        "tokenizer and safetensors weights) into the hub cache, the one `pagedserve serve` reads.",
+    )
     fetch.add_argument(
-        "model", nargs="?", default="smollm2-135m-instruct", help="A model alias (default: smollm2-135m-instruct)."
+        "model",
+        nargs="?",
+        default="smollm2-135m-instruct",
+        help="A model alias (smollm2-135m-instruct, gemma3-270m, tiny-random-llama) or a hub id "
+        "org/name[@revision] (default: smollm2-135m-instruct).",
+    )
+    fetch.add_argument("--revision", default=None, help="Branch, tag or commit of a hub id (default: its main).")
+    fetch.add_argument(
+        "--download-dir", default=None, help="The hub cache to download into (default: $HF_HUB_CACHE, $HF_HOME/hub)."
     )
     fetch.set_defaults(handler=cmd_fetch_model)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from configs.app_config import AppConfig
 from executor.executors import embedded_ray_num_cpus
+from model_executor.hub import hub_environment
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ def start_ray(config: AppConfig) -> bool:
         return False
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
-        ray.init(address=address)
+        # The job's actors (ingress, scheduler) run on nodes with their own environment: the hub settings travel.
+        hub_env = hub_environment()
+        ray.init(address=address, runtime_env={"env_vars": hub_env} if hub_env else None)
         return False
     os.environ.update(embedded_ray_env(config, direct_ingress))
     logger.info("starting a Ray of its own")

@@ -26,7 +26,19 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Which weights, in which precision, on which device."""
 
-    name: str = Field(DEFAULT_MODEL, description="A model alias (see `pagedserve fetch-model`) or a local HF dir.")
+    name: str = Field(
+        DEFAULT_MODEL,
+        description="A model alias (see `pagedserve fetch-model`), a local HF dir or a Hugging Face hub id "
+        "org/name[@revision].",
+    )
+    revision: str | None = Field(
+        None, description="Branch, tag or commit of a hub id; None: the repo's default branch."
+    )
+    download_dir: str | None = Field(
+        None,
+        description="Hub cache dir for downloads (None: $HF_HUB_CACHE, else $HF_HOME/hub); a shared path all nodes "
+        "see avoids per-node downloads.",
+    )
     served_model_name: str | None = Field(None, description="Model id clients use; defaults to the name.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -90,3 +90,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return kernels.silu_and_mul(gate_up)
     return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate_up[..., :half]) * gate_up[..., half:]: GeGLU as Gemma's `gelu_pytorch_tanh` MLP computes it
+    (transformers' `GELUTanh` is `F.gelu(approximate="tanh")`). torch's ops on every device for now."""
+    half = gate_up.shape[-1] // 2
+    # Contiguous as transformers' gate_proj output: torch's CPU gelu rounds a strided row's tail differently.
+    return F.gelu(gate_up[..., :half].contiguous(), approximate="tanh") * gate_up[..., half:]

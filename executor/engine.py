@@ -13,7 +13,7 @@ from executor.engine_core import EngineCore
 from executor.executors import make_executor
 from executor.output_processor import OutputProcessor
 from executor.outputs import RequestOutput
-from model_executor.model_fetch import resolve_model
+from model_executor.model_fetch import resolve_configured_model
 from model_executor.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
-        model_dir = resolve_model(config.model.name)
+        # In-process: this process is the worker too, so the weights come now (with the bar when it shows one).
+        model_dir = resolve_configured_model(config.model, weights=True, show_progress=show_progress)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model_info = load_model_info(model_dir, config)
         self.core = EngineCore(config, model_info, make_executor(config, model_info, show_progress=show_progress))

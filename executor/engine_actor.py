@@ -24,7 +24,7 @@ from executor.heap import freeze_startup_heap, thaw_heap
 from executor.output_router import OUTPUT_POLL_TIMEOUT_S, OutputRouter
 from executor.outputs import EngineInfo, EngineStats, EngineTopology
 from executor.stats_logger import LoggingStatLogger
-from model_executor.model_fetch import resolve_model
+from model_executor.model_fetch import resolve_configured_model
 from model_executor.model_info import load_model_info
 
 __all__ = [
@@ -116,9 +116,9 @@ class EngineActor:
 
         # The model runs on the workers' nodes, not here: decide CUDA from what the cluster offers.
         cluster_has_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        model_info = load_model_info(
-            resolve_model(self.config.model.name), self.config, cuda_available=cluster_has_gpus
-        )
+        # Config and tokenizer only: the workers fetch the weights on their nodes, at the commit read here.
+        model_dir = resolve_configured_model(self.config.model, weights=False)
+        model_info = load_model_info(model_dir, self.config, cuda_available=cluster_has_gpus)
         return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
 
     async def _started(self) -> EngineCore:

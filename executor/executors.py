@@ -14,6 +14,7 @@ from configs.sections import ParallelConfig
 from executor.errors import EngineDeadError
 from executor.step_channel import StepChannel
 from executor.worker import ModelWorker
+from model_executor.hub import hub_environment
 from model_executor.model_info import ModelInfo
 from model_executor.step_plan import StepPlan, StepResult
 
@@ -135,6 +136,9 @@ class RayExecutor(Executor):
             ) from error
         threads = default_threads_per_worker(config)
         worker_class = ray.remote(ModelWorker)
+        # A raylet on another node has its own environment: the hub's token, cache and offline switch go along.
+        hub_env = hub_environment()
+        runtime_env = {"runtime_env": {"env_vars": hub_env}} if hub_env else {}
         self.workers = []
         for pp_rank in range(config.parallel.pipeline_parallel_size):
             for tp_rank in range(config.parallel.tensor_parallel_size):
@@ -145,6 +149,7 @@ class RayExecutor(Executor):
                         num_gpus=1 if use_gpu else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
                         name=None,
+                        **runtime_env,
                     ).remote(model_info, config, pp_rank, tp_rank, threads, compute_thread=True)
                 )
         # The last stage's first TP rank samples and returns the step's tokens.

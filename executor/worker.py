@@ -23,7 +23,7 @@ from configs.engine_config import EngineConfig
 from configs.sections import DEFAULT_CPU_KV_CACHE_GIB
 from executor.heap import freeze_startup_heap, keep_freed_memory
 from executor.step_channel import open_step_listener
-from model_executor.model_fetch import resolve_model
+from model_executor.model_fetch import resolve_configured_model
 from model_executor.model_info import ModelInfo
 from model_executor.model_runner import ModelRunner
 from model_executor.parallel_state import ParallelContext
@@ -118,9 +118,6 @@ class ModelWorker:
     ):
         """`compute_thread`: run every torch call on a ComputeThread (a Ray actor, whose steps may come over a
         step channel); in-process, the caller's thread runs them."""
-        if not model_info.model_dir.exists():
-            # On another node of the cluster: fetch or find the model there.
-            model_info = dataclasses.replace(model_info, model_dir=resolve_model(config.model.name))
         self.model_info = model_info
         self.config = config
         self.pp_rank = pp_rank
@@ -163,7 +160,20 @@ class ModelWorker:
 
     def load_model(self, show_progress: bool = False) -> int:
         """Load this rank's shard; returns how many KV blocks fit the configured memory budget here."""
+        self._find_model(show_progress)
         return self._on_compute(self._load_model, show_progress)
+
+    def _find_model(self, show_progress: bool) -> None:
+        """The model's files on this node: a hub id's weights (the engine read only its config, maybe on another
+        node), an alias fetched here. Here rather than at the actor's start: a long download must not look like a
+        hung actor."""
+        model_info = self.model_info
+        if model_info.hub_commit is None and model_info.model_dir.exists():
+            return
+        model_dir = resolve_configured_model(
+            self.config.model, weights=True, hub_commit=model_info.hub_commit, show_progress=show_progress
+        )
+        self.model_info = dataclasses.replace(model_info, model_dir=model_dir)
 
     def _load_model(self, show_progress: bool) -> int:
         parallel = getattr(self, "parallel", None) or ParallelContext()

@@ -2,12 +2,19 @@
 
 The layer-by-layer path makes about 30 small calls per layer, each a Python call and a dispatch; the stack makes
 one per step. Its projections run our panel kernel on the layers' panel weights, as the linear layers do. The
-model file knows nothing of it: the model loader picks `CpuDecodeStackLlama` for Llama on CPU with our kernels on,
-and `prepare_decode_stack` builds the stack once the weights are loaded and packed.
+model files know nothing of it beyond the class flag `supports_decode_stack`: the model loader asks
+`with_decode_stack(cls)` for a variant with `DecodeStackMixin` on CPU with our kernels on, and
+`prepare_decode_stack` builds the stack once the weights are loaded and packed, or logs why it does not apply.
+
+The stack runs the pre-norm Llama layer shape (`LlamaDecoderLayer`: RMSNorm, attention, RMSNorm, SwiGLU MLP) with
+optional q/k/v, o and MLP biases, one default rope table, one scale, and per layer a sliding window and per-head q/k
+RMSNorms where the built extension takes them.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -15,22 +22,77 @@ from torch import nn
 
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
-from model_executor.models.llama import LlamaForCausalLM
+from model_executor.layers.norm import RMSNorm
+from model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+logger = logging.getLogger(__name__)
 
 
-def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
-    """The C++ stack over `model`'s layers and loaded weights, or None where it does not apply: no C++ kernels,
-    tensor parallelism, another attention backend, or weights other than fp32."""
+def stack_takes_keyword(ops: Any, keyword: str) -> bool:
+    """Whether the built extension's `DecodeStack.add_layer` takes `keyword` (pybind lists named arguments in the
+    docstring): per-layer windows and q/k norms came with a later build."""
+    return keyword in (getattr(ops.DecodeStack.add_layer, "__doc__", None) or "")
+
+
+def _layer_shape_reason(layer: nn.Module) -> str | None:
+    if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp, LlamaMLP):
+        return f"layer {type(layer).__name__} is not the Llama layer shape the stack runs"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(type(norm) is RMSNorm for norm in norms):
+        return "its norms are not plain RMSNorm"
+    return None
+
+
+def decode_stack_unsupported_reason(model: nn.Module) -> str | None:
+    """Why the C++ stack cannot run `model`'s decode steps, or None where it can (checked per instance, on the built
+    model: its parallelism, dtype, backend and each layer's attention settings)."""
+    if not getattr(model, "supports_decode_stack", False):
+        return f"not implemented for {type(model).__name__}"
+    ops = load_cpu_ops()
+    if ops is None:
+        return "our C++ kernels are not built"
+    if model.parallel.tp_size != 1:
+        return f"tensor parallel size {model.parallel.tp_size} (the stack runs one rank's whole layers)"
+    layers = list(model.layers.values())
+    reasons: list[str] = []
+    for layer in layers:
+        reason = _layer_shape_reason(layer)
+        if reason is not None:
+            return reason
+    attentions = [layer.self_attn for layer in layers]
+    dtype = attentions[0].qkv_proj.weight.dtype
+    if dtype != torch.float32:
+        reasons.append(f"dtype {dtype} (the stack runs float32)")
+    backends = {type(attention.attn).__name__ for attention in attentions}
+    if not all(isinstance(attention.attn, CpuAttentionBackend) for attention in attentions):
+        reasons.append(f"attention backend {sorted(backends)} (the stack runs the cpu backend's kernels)")
+    if model.rotary is None or len(model.rotary_embeddings) != 1:
+        reasons.append(f"rope tables {sorted(model.rotary_embeddings)} (the stack takes one)")
+    elif model.rotary.is_partial:
+        reasons.append(f"partial rotary ({model.rotary.rotary_dim} of {model.rotary.head_dim} dims)")
+    if any(attention.logit_soft_cap for attention in attentions):
+        reasons.append("attention logit soft-capping")
+    if len({attention.scale for attention in attentions}) > 1:
+        reasons.append("attention scales differ across layers")
+    windows = {attention.sliding_window for attention in attentions}
+    if len(windows) > 1 and not stack_takes_keyword(ops, "sliding_window"):
+        reasons.append(f"sliding windows differ across layers ({sorted(windows, key=str)})")
+    if any(attention.q_norm is not None or attention.k_norm is not None for attention in attentions):
+        eps = layers[0].input_layernorm.eps
+        head_norms = [norm for attention in attentions for norm in (attention.q_norm, attention.k_norm) if norm]
+        if not stack_takes_keyword(ops, "q_norm_weight"):
+            reasons.append("per-head q/k norms")
+        elif not all(type(norm) is RMSNorm and norm.eps == eps for norm in head_norms):
+            reasons.append("per-head q/k norms other than RMSNorm with the layers' eps")
+    return "; ".join(reasons) or None
+
+
+def build_decode_stack(model: nn.Module) -> Any:
+    """The C++ stack over `model`'s layers and loaded weights (call only where `decode_stack_unsupported_reason` is
+    None)."""
     ops = load_cpu_ops()
     attention = model.attention_backend
     first_layer = model.layers[str(model.start_layer)]
-    if (
-        ops is None
-        or model.parallel.tp_size != 1
-        or not isinstance(attention, CpuAttentionBackend)
-        or first_layer.self_attn.qkv_proj.weight.dtype != torch.float32
-    ):
-        return None
     stack = ops.DecodeStack(
         num_heads=attention.num_heads,
         num_kv_heads=attention.num_kv_heads,
@@ -39,8 +101,17 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
         scale=attention.scale,
         sliding_window=attention.sliding_window or 0,
     )
+    per_layer_windows = stack_takes_keyword(ops, "sliding_window")
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
+        # Keywords only where needed, so a build without them still runs uniform Llama layers.
+        extras: dict[str, Any] = {}
+        if per_layer_windows:
+            extras["sliding_window"] = attn.sliding_window or 0
+        if attn.q_norm is not None:
+            extras["q_norm_weight"] = attn.q_norm.weight
+        if attn.k_norm is not None:
+            extras["k_norm_weight"] = attn.k_norm.weight
         stack.add_layer(
             layer.input_layernorm.weight,
             attn.qkv_proj.weight,
@@ -57,22 +128,28 @@ def build_decode_stack(model: LlamaForCausalLM) -> Any | None:
             attn.o_proj.panel_weight,
             mlp.gate_up_proj.panel_weight,
             mlp.down_proj.panel_weight,
+            **extras,
         )
     return stack
 
 
-class CpuDecodeStackLlama(LlamaForCausalLM):
-    """Llama whose decode-only steps run the C++ stack once `prepare_decode_stack` has built it; steps with a
-    prefill chunk, and all steps while `decode_stack` is None, run the layers one by one."""
+class DecodeStackMixin:
+    """Mixed in before a `CausalLMBase` family (by `with_decode_stack`): decode-only steps run the C++ stack once
+    `prepare_decode_stack` has built it; steps with a prefill chunk, and all steps while `decode_stack` is None, run
+    the layers one by one."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.decode_stack: Any = None
+    decode_stack: Any = None
 
     def prepare_decode_stack(self) -> bool:
-        """Build the stack over the loaded (and packed) weights; False where it does not apply."""
+        """Build the stack over the loaded (and packed) weights; False, with the reason logged, where it does not
+        apply."""
+        reason = decode_stack_unsupported_reason(self)
+        if reason is not None:
+            logger.info("decode steps run layer by layer: %s", reason)
+            self.decode_stack = None
+            return False
         self.decode_stack = build_decode_stack(self)
-        return self.decode_stack is not None
+        return True
 
     def forward(
         self,
@@ -107,14 +184,24 @@ class CpuDecodeStackLlama(LlamaForCausalLM):
         return self.stage_output(hidden_states, residual, output_rows)
 
 
-DECODE_STACK_MODELS: dict[type[nn.Module], type[nn.Module]] = {LlamaForCausalLM: CpuDecodeStackLlama}
+@functools.cache
+def _decode_stack_variant(model_class: type[nn.Module]) -> type[nn.Module]:
+    return type(model_class.__name__, (DecodeStackMixin, model_class), {"__module__": __name__})
 
 
 def with_decode_stack(model_class: type[nn.Module]) -> type[nn.Module]:
-    """The variant of `model_class` that can run the C++ stack, or `model_class` itself where none exists."""
-    return DECODE_STACK_MODELS.get(model_class, model_class)
+    """The variant of `model_class` that can run the C++ stack (classes with `supports_decode_stack = True`), or
+    `model_class` itself, logged (once per model load) where the stack is not implemented for the family."""
+    if getattr(model_class, "supports_decode_stack", False):
+        return _decode_stack_variant(model_class)
+    logger.info("decode stack: not implemented for %s", model_class.__name__)
+    return model_class
 
 
 def runs_decode_stack(model: nn.Module) -> bool:
     """Whether `model`'s decode-only steps run the C++ stack."""
-    return isinstance(model, CpuDecodeStackLlama) and model.decode_stack is not None
+    return isinstance(model, DecodeStackMixin) and model.decode_stack is not None
+
+
+# Llama's variant under its historical name (the model loader and tests name it).
+CpuDecodeStackLlama = with_decode_stack(LlamaForCausalLM)

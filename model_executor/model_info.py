@@ -12,6 +12,8 @@ import torch
 from transformers import AutoConfig
 
 from configs.engine_config import EngineConfig, check_chunked_prefill_budget
+from model_executor.checkpoint_checks import check_checkpoint
+from model_executor.model_fetch import hub_commit_for
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     device: str
     dtype_name: str
+    hub_commit: str | None = None
+    """The commit a hub id resolved to: workers load that one, wherever they run (None: an alias or a directory)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,8 +121,34 @@ def generation_defaults(model_dir: Path, generation_config: str) -> dict[str, An
     return defaults
 
 
+def read_hf_config(model_dir: Path) -> Any:
+    """config.json through transformers; a model_type it does not know (or code of the repo's own it would have to
+    run) is a ValueError naming the type, the transformers version and what pagedserve supports."""
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as error:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        from model_executor.models import supported_architectures
+
+        try:
+            model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            model_type = None
+        if model_type is None or model_type in CONFIG_MAPPING_NAMES:
+            raise  # a known type with a bad value: transformers' own message says which
+        raise ValueError(
+            f"model_type {model_type!r} is not known to transformers {transformers.__version__} (pagedserve runs no "
+            f"code shipped with a model); supported architectures: {', '.join(supported_architectures())}"
+        ) from error
+
+
 def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    """What the engine needs to know of the model, read before any worker starts (by the CLI, the scheduler actor
+    and `LLM`): a model pagedserve cannot run is refused here, in one line."""
+    hf_config = read_hf_config(model_dir)
+    check_checkpoint(Path(model_dir), hf_config)
     model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = config.model.max_model_len or model_limit
     if max_model_len > model_limit:
@@ -137,4 +167,5 @@ def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool 
         eos_token_ids=read_eos_token_ids(Path(model_dir), hf_config),
         device=device,
         dtype_name=dtype_name,
+        hub_commit=hub_commit_for(config.model.name, Path(model_dir)),
     )

@@ -7,10 +7,10 @@ import logging
 import torch
 from torch import nn
 
-from model_executor.cpu_decode_stack import CpuDecodeStackLlama, with_decode_stack
+from model_executor.cpu_decode_stack import DecodeStackMixin, with_decode_stack
 from model_executor.layers.linear import PackableWeight
 from model_executor.model_info import ModelInfo
-from model_executor.models import get_model_class
+from model_executor.models import check_architectures
 from model_executor.parallel_state import ParallelContext
 from model_executor.weight_loader import load_safetensors_weights
 
@@ -30,7 +30,7 @@ def load_model(
     (`model_executor.cpu_decode_stack`) where it applies; without, every matmul is torch's.
     """
     device = torch.device(model_info.device)
-    model_class = get_model_class(getattr(model_info.hf_config, "architectures", None))
+    model_class = check_architectures(model_info.hf_config)
     if use_cpu_kernels and device.type == "cpu":
         model_class = with_decode_stack(model_class)
     previous_dtype = torch.get_default_dtype()
@@ -45,6 +45,6 @@ def load_model(
     for module in model.modules():
         if isinstance(module, PackableWeight):
             module.pack_weights(use_cpu_kernels)
-    if isinstance(model, CpuDecodeStackLlama) and model.prepare_decode_stack():
+    if isinstance(model, DecodeStackMixin) and model.prepare_decode_stack():
         logger.info("decode steps run the decoder stack in one C++ call")
     return model

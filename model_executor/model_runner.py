@@ -47,11 +47,7 @@ class ModelRunner:
         # The config's runtime.cpu_kernels, applied once for this process before any layer picks its kernel.
         use_cpu_kernels = self.device.type == "cpu" and select_cpu_kernels(cpu_kernels) is not None
         self.model = load_model(model_info, self.parallel, attention_backend, use_cpu_kernels, show_progress)
-        # Vocab-parallel heads would need a cross-rank argmax; one rank's head is screened on its own.
-        lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
-        self.greedy_screen = (
-            GreedyScreen.build(lm_head.weight, lm_head.linear_method.ops, greedy_screening) if lm_head else None
-        )
+        self.greedy_screen = self._build_greedy_screen(greedy_screening)
         self.uses_decode_stack = runs_decode_stack(self.model)
         self.attention_backend = self.model.attention_backend
         self.kv_caches: list[torch.Tensor] = []
@@ -71,6 +67,20 @@ class ModelRunner:
         self.max_blocks_per_seq = 0
         # Dummy prompts `warm_up` ran before serving (0: it did not run).
         self.num_warm_up_prompts = 0
+
+    def _build_greedy_screen(self, mode: str) -> GreedyScreen | None:
+        """The bf16 screen of this rank's LM head, where its argmax is the sampler's: one rank holds the whole head
+        (vocab-parallel heads would need a cross-rank argmax), and the logits are the head's raw output."""
+        lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
+        if lm_head is None:
+            return None
+        if getattr(self.model, "final_logit_softcapping", None) is not None:
+            # cap * tanh(x / cap) saturates in fp32: raw logits that differ can tie after it, and the sampler takes
+            # the first of the tied, which the screen (an argmax of raw logits) need not pick.
+            if mode != "off":
+                logger.info("greedy rows: fp32 LM head (final logits are soft-capped, so the bf16 screen is off)")
+            return None
+        return GreedyScreen.build(lm_head.weight, lm_head.linear_method.ops, mode)
 
     def kv_cache_bytes_per_block(self) -> int:
         backend = self.attention_backend

@@ -29,7 +29,7 @@ from executor.engine_actor import process_rss_bytes
 from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError
 from executor.heap import freeze_startup_heap
 from executor.output_processor import OutputProcessor
-from model_executor.model_fetch import resolve_model
+from model_executor.model_fetch import resolve_configured_model
 from serve_app.engine_client import EngineClient
 from serve_app.engine_router import EngineRouter, merge_expositions
 from serve_app.engines import attach_engines, detach_engines, engine_creators
@@ -106,7 +106,7 @@ class OpenAIIngress:
         settings = self.config.serve
         engine_config = self.config.engine_config()
         self.model_name = engine_config.model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_configured_model(self.config.model, weights=False))
         self.clients = [
             EngineClient(create(), create, engine_config.runtime.transport)
             for create in engine_creators(self.config, self.app_name)

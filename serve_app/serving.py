@@ -17,7 +17,7 @@ from configs.engine_config import EngineConfig
 from configs.sampling_params import SamplingParams
 from executor.engine_core import validate_prompt
 from executor.outputs import EngineInfo
-from model_executor.model_fetch import resolve_model
+from model_executor.model_fetch import resolve_configured_model
 from model_executor.model_info import generation_defaults as model_generation_defaults
 from serve_app.chat_template import ChatTemplate, refuse_request_templates
 from serve_app.logprobs import LogprobFormatter
@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 def generation_defaults(engine_config: EngineConfig) -> dict[str, Any]:
     """The sampling defaults a request inherits for the fields it omits (model.generation_config)."""
-    return model_generation_defaults(resolve_model(engine_config.model.name), engine_config.model.generation_config)
+    model_dir = resolve_configured_model(engine_config.model, weights=False)
+    return model_generation_defaults(model_dir, engine_config.model.generation_config)
 
 
 @dataclass(slots=True)

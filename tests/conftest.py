@@ -22,6 +22,7 @@ from configs.app_config import AppConfig
 from model_executor.model_fetch import resolve_model
 from model_executor.tiny_model import TINY_ALIAS, write_tiny_llama
 from tests.helpers import HFReference, free_port, serve_apps
+from tests.model_families import FAMILY_SPECS, write_tiny_family
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +47,34 @@ def tiny_llama3_rope_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2
         "original_max_position_embeddings": 256,
     }
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), smollm2_dir, rope_parameters=rope)
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    """`family_model_dir(name)`: the tiny checkpoint of `tests.model_families.FAMILY_SPECS[name]`, built on first
+    use and shared by the session."""
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = write_tiny_family(name, tmp_path_factory.mktemp(f"tiny-{name}"), smollm2_dir)
+        return built[name]
+
+    return build
+
+
+def _family_dir_fixture(name: str) -> Any:
+    @pytest.fixture(scope="session", name=f"tiny_{name}_dir")
+    def family_dir(family_model_dir: Callable[[str], Path]) -> Path:
+        return family_model_dir(name)
+
+    family_dir.__doc__ = f"The tiny {name} checkpoint of tests.model_families (session-scoped)."
+    return family_dir
+
+
+# One session fixture per family: tiny_llama_dir, tiny_qwen2_dir, tiny_gemma3_dir, ...
+for _family in FAMILY_SPECS:
+    globals()[f"tiny_{_family}_dir"] = _family_dir_fixture(_family)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +14,80 @@ import torch
 
 from configs.app_config import AppConfig
 
+# Below this many parameters HFReference runs on one thread (tests' tiny random models have ~3-7 million).
+TINY_MODEL_PARAMETERS = 20_000_000
+
 
 class HFReference:
     """HF transformers greedy generation in fp32 on the same weights: the correctness anchor (on CPU unless told).
 
-    Stops at EOS like our engine does (EOS included in the tokens), so compare with ignore_eos=False.
+    Eager attention for every family (the only HF path that soft-caps Gemma 2's attention logits). Greedy results
+    are memoised per (directory, prompt): generation is causal, so the first n tokens of a longer run are the
+    n-token run, and cells of the parity matrix share one reference. Stops at EOS like our engine does (EOS
+    included in the tokens), so compare with ignore_eos=False.
     """
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = torch.device(device)
-        self.models: dict[Path, Any] = {}
+        self.models: dict[tuple[Path, torch.dtype], Any] = {}
+        # (directory, prompt) -> (max_new_tokens it ran with, its tokens)
+        self.greedy_runs: dict[tuple[Path, tuple[int, ...]], tuple[int, list[int]]] = {}
 
-    def model(self, model_dir: Path) -> Any:
+    @contextmanager
+    def threads_for(self, model: Any) -> Iterator[None]:
+        """One torch thread for a tiny model on CPU: its ops are too small to split, and on a busy machine the
+        threads' hand-offs cost ten times the math. Larger models keep the process's threads."""
+        if self.device.type != "cpu" or model.num_parameters() > TINY_MODEL_PARAMETERS:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def model(self, model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
         from transformers import AutoModelForCausalLM
 
-        if model_dir not in self.models:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            self.models[model_dir] = model.to(self.device).eval()
-        return self.models[model_dir]
+        key = (Path(model_dir), dtype)
+        if key not in self.models:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+            self.models[key] = model.to(self.device).eval()
+        return self.models[key]
 
     def greedy(self, model_dir: Path, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        key = (Path(model_dir), tuple(prompt_token_ids))
+        known = self.greedy_runs.get(key)
+        if known is not None and known[0] >= max_new_tokens:
+            return known[1][:max_new_tokens]
         input_ids = torch.tensor([list(prompt_token_ids)], device=self.device)
-        with torch.inference_mode():
-            generated = self.model(model_dir).generate(
+        model = self.model(model_dir)
+        with torch.inference_mode(), self.threads_for(model):
+            generated = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=0,
             )
-        return generated[0, input_ids.shape[1] :].tolist()
+        tokens = generated[0, input_ids.shape[1] :].tolist()
+        self.greedy_runs[key] = (max_new_tokens, tokens)
+        return list(tokens)
 
-    def logits_after(self, model_dir: Path, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
-        """fp32 logits at each completion position, teacher-forced on the given completion."""
+    def logits_after(
+        self,
+        model_dir: Path,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Logits (as fp32) at each completion position, teacher-forced on the given completion; the model runs in
+        `dtype`."""
         input_ids = torch.tensor([[*prompt, *completion]], device=self.device)
-        with torch.inference_mode():
-            logits = self.model(model_dir)(input_ids).logits[0]
+        model = self.model(model_dir, dtype)
+        with torch.inference_mode(), self.threads_for(model):
+            logits = model(input_ids).logits[0]
         return logits[len(prompt) - 1 : -1].float()
 
 

@@ -57,14 +57,22 @@ def ray_processes_of(ray_tmpdir: str) -> list[int]:
     return pids
 
 
-def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[subprocess.Popen, str, Path]:
-    """`pagedserve serve` on the tiny model in a Ray of its own: nothing of this session's cluster may count, and
-    nothing of its own may stay. Returns the process, its Ray temp dir and its log."""
+def start_pagedserve(
+    tmp_path: Path,
+    port: int,
+    *,
+    model: str = "tiny-random-llama",
+    env: dict[str, str] | None = None,
+    **serve_section: Any,
+) -> tuple[subprocess.Popen, str, Path]:
+    """`pagedserve serve` on a tiny model (`model`: any name the CLI takes) in a Ray of its own: nothing of this
+    session's cluster may count, and nothing of its own may stay. `env` is added to the process's environment.
+    Returns the process, its Ray temp dir and its log."""
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(
         json.dumps(
             {
-                "model": {"name": "tiny-random-llama"},
+                "model": {"name": model},
                 "cache": {"num_kv_blocks": 128},
                 "parallel": {"worker_num_cpus": 0.5, "num_threads": 1},
                 "serve": {"port": port, "ingress_num_cpus": 0.1, **serve_section},
@@ -72,15 +80,16 @@ def start_pagedserve(tmp_path: Path, port: int, **serve_section: Any) -> tuple[s
         )
     )
     ray_tmpdir = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmpdir, RAY_USAGE_STATS_ENABLED="0")
+    process_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    process_env.update(RAY_TMPDIR=ray_tmpdir, RAY_USAGE_STATS_ENABLED="0")
+    process_env.update(env or {})
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [str(Path(sys.executable).with_name("pagedserve")), "serve", "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=process_env,
         )
     return server, ray_tmpdir, log_path
 

@@ -101,12 +101,14 @@ def test_every_vllm_named_flag_is_accepted(tiny_model_dir):
     argv += ["--generation-config", "vllm", "--max-logprobs", "5", "--api-key", "secret", "--host", "0.0.0.0"]
     argv += ["--port", "9100", "--log-level", "warning", "--num-engine-replicas", "2", "--route-prefix", "/v"]
     argv += ["--stream-interval", "4", "--no-async-scheduling", "--attention-backend", "torch"]
+    argv += ["--download-dir", "/srv/hub-cache"]
     resolved = dry_run(*argv)
 
     model, cache, scheduler = resolved["model"], resolved["cache"], resolved["scheduler"]
     assert model["name"] == str(tiny_model_dir)
     assert (model["served_model_name"], model["dtype"], model["max_model_len"]) == ("tiny", "float16", 1024)
     assert (model["seed"], model["generation_config"], model["max_logprobs"]) == (7, "vllm", 5)
+    assert (model["download_dir"], model["revision"]) == ("/srv/hub-cache", None)
     assert (cache["gpu_memory_utilization"], cache["kv_cache_memory_gib"], cache["block_size"]) == (0.5, 0.25, 32)
     assert cache["enable_prefix_caching"] is False
     assert (scheduler["max_num_seqs"], scheduler["max_num_batched_tokens"]) == (8, 1024)
@@ -174,6 +176,7 @@ def test_flags_are_never_abbreviated():
         (["-tp", "2", "--async-scheduling"], "async_scheduling needs tensor_parallel_size"),
         (["--enforce-eager", "--cuda-graphs", "padded"], "--cuda-graphs and --enforce-eager disagree"),
         (["no-such-model"], "'no-such-model' is neither a known model alias nor an existing directory"),
+        (["tiny-random-llama", "--revision", "v1"], "'tiny-random-llama' is a pagedserve alias: a revision applies"),
         (["--config", "no-such-preset"], "config file 'no-such-preset' not found"),
     ],
 )
@@ -198,6 +201,18 @@ def test_a_bad_yaml_value_is_one_line_naming_its_key(tmp_path):
     not_yaml = tmp_path / "not_yaml.yaml"
     not_yaml.write_text("cache: [16\n")
     assert_one_line_error(run_cli("serve", "--config", str(not_yaml)), "is not valid YAML", "line")
+
+
+@pytest.mark.subprocess
+def test_a_model_type_transformers_does_not_know_is_refused_before_ray(tmp_path, tiny_model_dir):
+    """A repo that ships its own modelling code (trust_remote_code) or a newer family than transformers knows."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "brand-new-llm"}))
+    (tmp_path / "model.safetensors").symlink_to(tiny_model_dir / "model.safetensors")
+    line = assert_one_line_error(
+        run_cli("serve", str(tmp_path)), "model_type 'brand-new-llm' is not known to transformers"
+    )
+    assert "LlamaForCausalLM" in line.partition("; supported architectures: ")[2].split(", ")
 
 
 @pytest.mark.subprocess

@@ -145,13 +145,27 @@ def test_resolve_directory_without_weights(tmp_path: Path) -> None:
     assert DEFAULT_MODEL in str(err.value)
 
 
-def test_resolve_unknown_name() -> None:
+def test_resolve_directory_of_pytorch_bin_weights_only(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"a pickle")
     with pytest.raises(ValueError) as err:
-        resolve_model("no-such-model")
-    message = str(err.value)
-    assert "no-such-model" in message
-    assert DEFAULT_MODEL in message
-    assert "config.json" in message and "safetensors" in message
+        resolve_model(str(tmp_path))
+    assert str(err.value) == (
+        f"directory {str(tmp_path)!r} has only PyTorch .bin weights; pagedserve loads safetensors only: convert it "
+        "with transformers' save_pretrained(safe_serialization=True) or pick a safetensors revision"
+    )
+
+
+def test_resolve_unknown_name() -> None:
+    # Not an alias, not a directory, not shaped as a hub id org/name: nothing is looked up on the hub.
+    for name in ("no-such-model", "no/such/model"):
+        with pytest.raises(ValueError) as err:
+            resolve_model(name)
+        message = str(err.value)
+        assert f"{name!r} is neither a known model alias nor an existing directory" in message
+        assert DEFAULT_MODEL in message
+        assert "config.json" in message and "safetensors" in message
+        assert "or a Hugging Face hub id org/name[@revision]" in message
 
 
 def test_fetch_unknown_alias() -> None:

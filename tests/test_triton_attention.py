@@ -107,10 +107,19 @@ def make_case(
     )
 
 
-def run_backend(backend_cls: type, case: Case, num_heads: int, sliding_window: int | None, dtype: torch.dtype):
+def run_backend(
+    backend_cls: type,
+    case: Case,
+    num_heads: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    *,
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+):
     """(output, cache after the step) of one backend on a copy of the case's cache, inputs cast to dtype."""
     num_kv_heads, head_dim = case.key.shape[1], case.key.shape[2]
-    backend = backend_cls(num_heads, num_kv_heads, head_dim, sliding_window)
+    backend = backend_cls(num_heads, num_kv_heads, head_dim, sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
     kv_cache = case.kv_cache.to(dtype).clone()
     metadata = backend.build_metadata(case.batch, case.block_size, case.query.device)
     output = backend.forward(case.query.to(dtype), case.key.to(dtype), case.value.to(dtype), kv_cache, metadata)
@@ -153,6 +162,45 @@ def test_matches_torch_backend_fp32(
     assert torch.equal(actual_cache, expected_cache)
     tolerance = TOLERANCES[torch.float32]
     torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+# (name, heads, kv heads, head_dim, block size, query_lens, seq_lens, window, scale, soft cap)
+SOFT_CAP_CASES = [
+    ("gemma2_like_gqa2_window20", 4, 2, 32, 16, [1, 1, 30, 9], [45, 17, 60, 9], 20, 24**-0.5, 3.0),
+    ("capped_global_gqa1_multi_tile", 2, 2, 16, 32, [1, 70], [90, 100], None, 0.5, 5.0),
+    ("scale_only_gqa3", 6, 2, 16, 16, [1, 24], [33, 40], None, 0.05, None),
+]
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("name", "num_heads", "num_kv_heads", "head_dim", "block_size", "query_lens", "seq_lens", "window", "scale", "cap"),
+    SOFT_CAP_CASES,
+    ids=[case[0] for case in SOFT_CAP_CASES],
+)
+def test_soft_cap_and_scale_match_torch_backend(
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    window: int | None,
+    scale: float,
+    cap: float | None,
+) -> None:
+    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=len(name))
+    case.query *= 3  # scores past the cap, where tanh bends them
+    settings = {"scale": scale, "logit_soft_cap": cap}
+    expected, expected_cache = run_backend(TorchAttentionBackend, case, num_heads, window, torch.float32, **settings)
+    actual, actual_cache = run_backend(TritonAttentionBackend, case, num_heads, window, torch.float32, **settings)
+    assert torch.equal(actual_cache, expected_cache)
+    tolerance = TOLERANCES[torch.float32]
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+    # The settings matter: the default layer gives other outputs, so a kernel ignoring them fails above.
+    default, _ = run_backend(TorchAttentionBackend, case, num_heads, window, torch.float32)
+    assert (default - expected).abs().max() > 1e-2
 
 
 @interpreted
@@ -400,11 +448,19 @@ def test_compiled_kernels_match_torch_on_cuda(dtype: torch.dtype, block_size: in
     query_lens = [1] * 24 + [3, 130, 257]
     seq_lens = [int(n) for n in torch.randint(1, 1500, (24,), generator=torch.Generator().manual_seed(0))]
     seq_lens += [40, 1000, 257]
-    for num_heads, num_kv_heads, head_dim, window in [(32, 8, 128, None), (12, 4, 64, 200), (4, 2, 16, None)]:
+    # The last shape is Gemma 2 27B's: head_dim 256, query_pre_attn_scalar 144, logit soft cap 50.
+    shapes = [
+        (32, 8, 128, None, None, None),
+        (12, 4, 64, 200, None, None),
+        (4, 2, 16, None, None, None),
+        (8, 4, 256, 300, 144**-0.5, 50.0),
+    ]
+    for num_heads, num_kv_heads, head_dim, window, scale, cap in shapes:
         case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype, device=cuda)
-        expected, _ = run_backend(TorchAttentionBackend, case, num_heads, window, torch.float32)
-        _, expected_cache = run_backend(TorchAttentionBackend, case, num_heads, window, dtype)
-        actual, actual_cache = run_backend(TritonAttentionBackend, case, num_heads, window, dtype)
+        settings = {"scale": scale, "logit_soft_cap": cap}
+        expected, _ = run_backend(TorchAttentionBackend, case, num_heads, window, torch.float32, **settings)
+        _, expected_cache = run_backend(TorchAttentionBackend, case, num_heads, window, dtype, **settings)
+        actual, actual_cache = run_backend(TritonAttentionBackend, case, num_heads, window, dtype, **settings)
         assert torch.equal(actual_cache, expected_cache)
         # On GPU the probabilities are rounded to the input dtype for the P @ V tensor-core dot.
         tolerance = 2e-4 if dtype == torch.float32 else 2 * TOLERANCES[dtype]

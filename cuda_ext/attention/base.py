@@ -40,12 +40,30 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     """Whether a decode step's write and attention can be captured (no host sync, no data-dependent shapes)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        *,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+    ):
+        """sliding_window: a query sees the last `sliding_window` keys, itself included (None = all).
+        scale multiplies q @ k^T (None = head_dim**-0.5); logit_soft_cap > 0 maps scores to
+        `cap * tanh(scores / cap)` before the mask (None or 0 = off). A backend that cannot honour an argument raises.
+        """
+        if sliding_window is not None and sliding_window < 0:
+            raise ValueError(f"sliding_window must be a key count (0 or None: no window), got {sliding_window}")
+        if logit_soft_cap is not None and logit_soft_cap < 0:
+            raise ValueError(f"logit_soft_cap must be positive (0 or None: off), got {logit_soft_cap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.sliding_window = sliding_window
-        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window or None  # 0 = no window, as the kernels read it
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.logit_soft_cap = float(logit_soft_cap) if logit_soft_cap else None
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

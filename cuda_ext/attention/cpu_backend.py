@@ -4,6 +4,9 @@ Decodes (one query token each) run `paged_decode_attention`, prefill chunks `pag
 every request's KV blocks in place. Steps with a prefill chunk past PREFILL_KERNEL_MAX_KEYS keys, and other dtypes
 or head sizes, keep the torch backend's padded-group SDPA for their prefill chunks. The KV write is one C++ call per
 layer.
+
+The metadata is shared by all layers of a step: each layer passes its own window, scale and soft cap to the
+kernels (a soft cap of 0 is none), and the SDPA fallback's groups make one mask per window.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class PrefillChunks:
     query_starts: torch.Tensor  # [chunks + 1] int32, rows into the chunks' tokens
     seq_lens: torch.Tensor  # [chunks] int32: cached keys plus the chunk's own
     fits_kernel: bool  # no chunk has more than PREFILL_KERNEL_MAX_KEYS keys
-    padded_group: PaddedGroup | None = None  # built on first use, for the SDPA fallback
+    padded_group: PaddedGroup | None = None  # built on first use, for the SDPA fallback (window-independent)
 
 
 def padded_block_tables(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
@@ -58,14 +61,24 @@ def padded_block_tables(block_tables: list[list[int]], seq_lens: list[int], bloc
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        *,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
         ops = load_cpu_ops()
         if ops is None:
             raise RuntimeError("the cpu attention backend needs the C++ CPU kernels, which did not build")
         self.ops = ops
         # The kernel's vector path holds whole head rows in registers; other head sizes take SDPA.
         self.prefill_kernel_head_dim = head_dim % ops.vector_lanes == 0
+        self.soft_cap = self.logit_soft_cap or 0.0
 
     def build_metadata(self, batch: AttentionBatch, block_size: int, device: torch.device) -> CpuAttentionMetadata:
         num_decodes = batch.num_decodes
@@ -130,6 +143,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 metadata.decode_seq_lens,
                 self.scale,
                 self.sliding_window or 0,
+                soft_cap=self.soft_cap,
             )
         prefill = metadata.prefill
         if prefill is None:
@@ -151,6 +165,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 prefill.seq_lens,
                 self.scale,
                 self.sliding_window or 0,
+                soft_cap=self.soft_cap,
             )
             return output
         group = prefill.padded_group

@@ -35,11 +35,15 @@ def get_attention_backend(
     num_kv_heads: int,
     head_dim: int,
     sliding_window: int | None = None,
+    *,
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
 ) -> AttentionBackend:
     """`name` is a registered backend or "auto": Triton on CUDA; on CPU our C++ kernels ("cpu"), or the pure
     torch backend where they cannot be built.
 
     "triton" on a CPU device only works with TRITON_INTERPRET=1 set before triton is imported (tests).
+    sliding_window, scale and logit_soft_cap are this layer's own (see `AttentionBackend.__init__`).
     """
     if name == "auto":
         if torch.device(device).type == "cuda":
@@ -53,4 +57,4 @@ def get_attention_backend(
         from cuda_ext.attention.triton_backend import check_triton_device
 
         check_triton_device(torch.device(device))
-    return cls(num_heads, num_kv_heads, head_dim, sliding_window)
+    return cls(num_heads, num_kv_heads, head_dim, sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)

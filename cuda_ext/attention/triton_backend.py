@@ -54,8 +54,17 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        *,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale=scale, logit_soft_cap=logit_soft_cap)
         self.tile_config: TileConfig = make_tile_config(num_heads, num_kv_heads, head_dim)
         self._decode_tile_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -148,5 +157,6 @@ class TritonAttentionBackend(AttentionBackend):
             self.tile_config,
             self.scale,
             self.sliding_window,
+            self.logit_soft_cap,
         )
         return output.view(num_tokens, self.num_heads * self.head_dim)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class LayerShape:
     head_dim: int
     block_size: int
     sliding_window: int = 0
+    soft_cap: float = 0.0  # Gemma 2's attention logit soft-capping (0 = off)
 
 
 # (small shapes first: the tiny test model, a GQA-3 layer with a window; then Llama-3-8B-like layers)
@@ -49,6 +51,7 @@ FULL_SHAPES = [
     LayerShape("bf16", 32, 8, 128, 32, 4096),
     LayerShape("fp32", 32, 8, 128, 16),
     LayerShape("bf16", 64, 8, 128, 16),
+    LayerShape("bf16", 8, 4, 256, 16, 4096, 50.0),
 ]
 
 
@@ -77,6 +80,8 @@ def compile_unified_attention(shape: LayerShape, arch: int = 90) -> triton.compi
         "HEAD_DIM_PAD": config.head_dim_pad,
         "BLOCK_SIZE": shape.block_size,
         "SLIDING_WINDOW": shape.sliding_window,
+        # The kernel takes the cap in log2 units, as it does the scale.
+        "SOFTCAP": shape.soft_cap * math.log2(math.e),
         "DOT_FP32": dot_fp32,
         "DOT_PRECISION": "ieee" if dot_fp32 else "tf32",
         "SMALL_BLOCK_M": config.small_block_m,

@@ -8,7 +8,8 @@ softmax in fp32. Short queries (decodes) get a small tile, long ones (prefill ch
 `num_small_tiles` programs take the small-tile branch, so a decode never pays for a prefill-sized tile.
 
 Masking is by absolute position: query i of a request with seq_len S and query_len Q sits at position S - Q + i
-and sees keys at positions <= its own (and > position - sliding_window when a window is set).
+and sees keys at positions <= its own (and > position - sliding_window when a window is set). With a logit soft cap,
+scores become `cap * tanh(scores / cap)` before the mask (Gemma 2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SMALL_BLOCK_M = 16
 LARGE_BLOCK_M = 64
 SMALL_TILE_N = 32
 LARGE_TILE_N = 64
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 # Kernels are decorated for the interpreter or for the GPU once, at import: TRITON_INTERPRET=1 must be set before.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -117,6 +119,7 @@ def _attend_tile(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -185,6 +188,9 @@ def _attend_tile(
             v = v.to(tl.float32)
         # Scores in log2 units: the softmax scale and log2(e) are folded into one multiply for exp2.
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0:
+            # cap * tanh(s / cap) in log2 units (SOFTCAP = cap * log2(e)), tanh(x) = 1 - 2 / (e^(2x) + 1) via exp2.
+            scores = SOFTCAP * (1.0 - 2.0 / (tl.math.exp2(scores * (2.0 * LOG2E / SOFTCAP)) + 1.0))
         allowed = key_valid[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             allowed = allowed & (key_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -232,6 +238,7 @@ def unified_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SMALL_BLOCK_M: tl.constexpr,
@@ -270,6 +277,7 @@ def unified_attention_kernel(
             HEAD_DIM_PAD,
             BLOCK_SIZE,
             SLIDING_WINDOW,
+            SOFTCAP,
             DOT_FP32,
             DOT_PRECISION,
             SMALL_BLOCK_M,
@@ -303,6 +311,7 @@ def unified_attention_kernel(
             HEAD_DIM_PAD,
             BLOCK_SIZE,
             SLIDING_WINDOW,
+            SOFTCAP,
             DOT_FP32,
             DOT_PRECISION,
             LARGE_BLOCK_M,
@@ -324,6 +333,7 @@ def unified_attention(
     config: TileConfig,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """Attention of query [tokens, heads, head_dim] over the paged cache into output [tokens, heads, head_dim].
 
@@ -331,6 +341,7 @@ def unified_attention(
     query_start_loc [requests + 1], seq_lens [requests], block_tables [requests, max_blocks] (int32, padding
     entries may be anything valid, e.g. 0), and the tile plan from `plan_query_tiles` as int32 tensors.
     Every real query token must be covered by the plan; rows of padded tokens are left untouched.
+    Scores are `q @ k^T * scale`, then `soft_cap * tanh(scores / soft_cap)` when soft_cap is set, then masked.
     """
     num_tiles = tile_request.shape[0]
     if num_tiles == 0:
@@ -368,6 +379,8 @@ def unified_attention(
         HEAD_DIM_PAD=config.head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1],
         SLIDING_WINDOW=sliding_window or 0,
+        # In the kernel's log2 units; one compiled variant per cap value (a model has one or two).
+        SOFTCAP=soft_cap * math.log2(math.e) if soft_cap else 0.0,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32",
         SMALL_BLOCK_M=config.small_block_m,

@@ -174,11 +174,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), parallel, bias)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
+        """shard_id i: the checkpoint tensor of projection i alone; "gate_up": all projections fused in one tensor
+        (rows in `output_sizes` order, Phi-3's `gate_up_proj`), split here."""
         param = getattr(self, param_name)
+        if shard_id == "gate_up":
+            for index in range(len(self.output_sizes)):
+                self._load_projection(param, index, loaded_weight, sum(self.output_sizes[:index]))
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"unknown merged shard {shard_id!r}")
+        self._load_projection(param, shard_id, loaded_weight, 0)
+
+    def _load_projection(self, param: torch.Tensor, index: int, loaded_weight: Any, first_row: int) -> None:
+        """This rank's rows of projection `index`, which starts at row `first_row` of `loaded_weight`."""
         tp_size, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
-        rows = divide(self.output_sizes[shard_id], tp_size, "merged output size")
-        offset = sum(self.output_sizes[:shard_id]) // tp_size
-        copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, tp_rank * rows, rows))
+        rows = divide(self.output_sizes[index], tp_size, "merged output size")
+        offset = sum(self.output_sizes[:index]) // tp_size
+        copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, first_row + tp_rank * rows, rows))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -195,6 +207,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     ):
         tp_size = parallel.tp_size
         self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
         self.num_heads_per_rank = divide(num_heads, tp_size, "number of attention heads")
         if tp_size >= num_kv_heads:
             divide(tp_size, num_kv_heads, "tensor-parallel size vs KV heads")
@@ -209,7 +223,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_per_rank * tp_size, parallel, bias)
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
+        """shard_id "q", "k", "v": that projection's checkpoint tensor; "qkv": the three fused in one tensor (q
+        rows, then k, then v, as Phi-3's `qkv_proj`), split here."""
         param = getattr(self, param_name)
+        if shard_id == "qkv":
+            q_rows, kv_rows = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
+            for part, first_row in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows)):
+                self._load_projection(param, part, loaded_weight, first_row)
+            return
+        self._load_projection(param, shard_id, loaded_weight, 0)
+
+    def _load_projection(self, param: torch.Tensor, shard_id: Any, loaded_weight: Any, first_row: int) -> None:
+        """This rank's rows of projection `shard_id`, which starts at row `first_row` of `loaded_weight`."""
         if shard_id == "q":
             offset, rows, start = 0, self.q_size, self.parallel.tp_rank * self.q_size
         elif shard_id in ("k", "v"):
@@ -217,7 +242,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             rows, start = self.kv_size, self.kv_head_offset * self.head_dim
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
-        copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, start, rows))
+        copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, first_row + start, rows))
 
 
 class RowParallelLinear(PackableWeight, nn.Module):

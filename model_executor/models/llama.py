@@ -1,103 +1,32 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style configs) over the paged KV cache."""
+"""Llama-family decoder (Llama 2/3/3.x, SmolLM, Mistral) over the paged KV cache.
+
+`LlamaMLP` and `LlamaDecoderLayer` (pre-norm RMSNorm, SwiGLU) are reused by the families with the same layer shape
+(Qwen2, Qwen3, Phi-3), each building its own `DecoderAttention`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from cuda_ext.attention import AttentionBackend, get_attention_backend
 from cuda_ext.fused_ops import silu_and_mul
-from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.attention import DecoderAttention
+from model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
-from model_executor.layers.rotary import RotaryEmbedding
-from model_executor.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from model_executor.layers.rotary import check_rope_parameters, rope_parameters
+from model_executor.models.decoder import CausalLMBase, StepInputs, config_head_dim
 from model_executor.parallel_state import ParallelContext
 
 
-def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict) from both the transformers 4 and 5 config layouts."""
-    rope_parameters = getattr(config, "rope_parameters", None) or {}
-    rope_scaling = getattr(config, "rope_scaling", None) or rope_parameters or None
-    rope_theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return float(rope_theta), rope_scaling
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Per-step values every layer reads, computed once per forward."""
-
-    attn_metadata: Any
-    rotary: RotaryEmbedding
-    cos_sin: tuple[torch.Tensor, torch.Tensor]
-
-
-class LlamaAttention(nn.Module):
-    """Self-attention over the paged KV cache. `attention_backend` names a registered backend ("auto": by device);
-    the layer gets its `AttentionBackend` from `cuda_ext.attention`'s registry and calls only that interface."""
-
-    def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
-        super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            parallel,
-            bias=getattr(config, "attention_bias", False),
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            parallel,
-            bias=getattr(config, "attention_bias", False),
-        )
-        self.num_heads = self.qkv_proj.num_heads_per_rank
-        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
-        self.attn: AttentionBackend = get_attention_backend(
-            attention_backend,
-            device,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            getattr(config, "sliding_window", None),
-        )
-
-    def forward(
-        self,
-        step: StepInputs,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Every row's keys and values go into the cache; the output is `output_rows`' only (all rows if None)."""
-        qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        query = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
-        key = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        value = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        # Rotated in place inside qkv; each backend copies to contiguous only what its kernels need.
-        step.rotary.apply(query, key, step.cos_sin)
-        attended = self.attn.forward(query, key, value, kv_cache, step.attn_metadata)
-        if output_rows is not None:
-            attended = attended.index_select(0, output_rows)
-        return self.o_proj(attended)
-
-
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelContext):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelContext, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, parallel, bias=getattr(config, "mlp_bias", False)
-        )
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, parallel, bias=getattr(config, "mlp_bias", False)
-        )
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, parallel, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -105,12 +34,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
+    """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(...)), with the residual adds fused into the norms."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, rms_norm_eps: float):
         super().__init__()
-        self.self_attn = LlamaAttention(config, parallel, attention_backend, device)
-        self.mlp = LlamaMLP(config, parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
 
     def forward(
         self,
@@ -133,112 +64,40 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head; `forward` returns hidden states, not logits."""
+class LlamaForCausalLM(CausalLMBase):
+    """Llama and Mistral: `attention_bias` on q, k, v and o, `mlp_bias`, optional `head_dim`, one `sliding_window`
+    on every layer (Mistral v0.1), rope default / llama3 / linear, tied or untied head."""
 
-    # Checkpoint projection name -> (our fused parameter, shard id).
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, Any]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    supports_decode_stack: ClassVar[bool] = True
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu is)")
+        check_rope_parameters(rope_parameters(hf_config))
+
+    def make_layer(self, index: int) -> nn.Module:
+        config = self.config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self_attn = DecoderAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config_head_dim(config),
+            self.parallel,
+            self.attention_backend_name,
+            self.device,
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+        mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, self.parallel, bias=bool(getattr(config, "mlp_bias", False))
+        )
+        return LlamaDecoderLayer(self_attn, mlp, config.hidden_size, config.rms_norm_eps)
 
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
-        super().__init__()
-        self.config = config
-        self.parallel = parallel
-        self.start_layer, self.end_layer = parallel.stage_layer_range(config.num_hidden_layers)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # Pipeline stages hold only their own layers; keys keep the checkpoint's global layer numbers.
-        self.layers = nn.ModuleDict(
-            {
-                str(index): LlamaDecoderLayer(config, parallel, attention_backend, device)
-                for index in range(self.start_layer, self.end_layer)
-            }
-        )
-        if parallel.is_first_stage:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope_theta, rope_scaling = rope_settings(config)
-        # One table for all layers: positions are looked up once per step, not once per layer.
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
-        if parallel.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
-            if self.tie_word_embeddings and parallel.is_first_stage:
-                self.lm_head.weight = self.embed_tokens.weight
-
-    @property
-    def num_local_layers(self) -> int:
-        return self.end_layer - self.start_layer
-
-    @property
-    def attention_backend(self) -> AttentionBackend:
-        return self.layers[str(self.start_layer)].self_attn.attn
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: Any,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Last stage: final hidden states. Other stages: (hidden, residual) for the next stage.
-
-        Stages after the first take the previous stage's (hidden, residual) as `intermediate`. On the last stage,
-        `output_rows` (int64 row indices) asks for those rows' final hidden states only: the last layer still
-        caches every row's keys and values, but runs its output projection and MLP on those rows alone (a prefill
-        chunk samples from its last token only).
-        """
-        step = StepInputs(attn_metadata, self.rotary, self.rotary.cos_sin(positions))
-        hidden_states, residual = self.stage_input(input_ids, intermediate)
-        # Every stage owns at least one layer (stage_layer_range); the last one may narrow to output_rows.
-        *earlier, (last_layer, last_cache) = zip(self.layers.values(), kv_caches)
-        for layer, kv_cache in earlier:
-            hidden_states, residual = layer(step, hidden_states, residual, kv_cache)
-        last_rows = output_rows if self.parallel.is_last_stage else None
-        hidden_states, residual = last_layer(step, hidden_states, residual, last_cache, last_rows)
-        return self.stage_output(hidden_states, residual)
-
-    def stage_input(
-        self, input_ids: torch.Tensor, intermediate: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden, residual) this stage's first layer takes: the token embeddings (no residual yet) on the first
-        stage, the previous stage's output on the others."""
-        if self.parallel.is_first_stage:
-            return self.embed_tokens(input_ids), None
-        return intermediate
-
-    def stage_output(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor, output_rows: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """What this stage returns after its last layer: (hidden, residual) for the next stage, or on the last
-        stage the final norm of `output_rows`' rows (all rows if None)."""
-        if not self.parallel.is_last_stage:
-            return hidden_states, residual
-        if output_rows is not None:
-            hidden_states, residual = hidden_states.index_select(0, output_rows), residual.index_select(0, output_rows)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
-
-    def checkpoint_name_to_param(self, checkpoint_name: str) -> tuple[str, Any] | None:
-        """Map an HF checkpoint tensor name to (our parameter name, shard id); None for tensors we skip."""
-        name = checkpoint_name.removeprefix("model.")
-        if "rotary_emb.inv_freq" in name:
-            return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None
-        if name == "embed_tokens.weight" and self.tie_word_embeddings and not self.parallel.is_first_stage:
-            # A last stage without the embedding still needs the tied weights for its LM head.
-            return "lm_head.weight", None
-        for checkpoint_part, (param_part, shard_id) in self.packed_modules_mapping.items():
-            if f".{checkpoint_part}." in name:
-                return name.replace(f".{checkpoint_part}.", f".{param_part}."), shard_id
-        return name, None
+        # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
+        self.check_config(config)
+        super().__init__(config, parallel, attention_backend, device)
