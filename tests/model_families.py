@@ -227,3 +227,9 @@ def unsupported_reason(architecture: str) -> str | None:
     except ValueError as error:
         return f"not in supported_architectures(): {error}"
     return None if supported_architectures is None else f"{architecture} is not in supported_architectures()"
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of 1-60 token ids drawn from the vocabulary past the special tokens (ids 0-2), seeded."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 61))] for _ in range(count)]

@@ -12,7 +12,6 @@ prompts up to 60 tokens plus 40 generated cross the window.
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from configs.sampling_params import SamplingParams
 from model_executor.tiny_model import TOKENIZER_FILES
 from tests.helpers import assert_no_leaked_blocks
+from tests.model_families import random_prompts
 
 MAX_NEW_TOKENS = 40
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -105,11 +105,6 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Ca
         return built[name]
 
     return get
-
-
-def random_prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 61))] for _ in range(count)]
 
 
 # Lengths 1-60 (seeded) and a 60-token repeat: prompts inside and well past the 20-token window.

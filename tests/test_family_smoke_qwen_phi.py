@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import shutil
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 from configs.sampling_params import SamplingParams
 from model_executor.tiny_model import TOKENIZER_FILES
 from tests.helpers import assert_no_leaked_blocks
-from tests.model_families import FamilySpec, write_tiny_family
+from tests.model_families import FamilySpec, random_prompts, write_tiny_family
 
 MAX_NEW_TOKENS = 40
 
@@ -68,11 +67,6 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> C
         return built[name]
 
     return get
-
-
-def random_prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 61))] for _ in range(count)]
 
 
 PROMPTS = [*random_prompts(3, seed=7), [5] * 60]
