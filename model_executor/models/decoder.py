@@ -39,6 +39,27 @@ class StepInputs:
     """Rope key -> (its RotaryEmbedding, that table's cos/sin rows for this step's positions)."""
 
 
+def attend_with_residual(
+    layer: nn.Module,
+    step: StepInputs,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    output_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's first half: `layer.input_layernorm` (adding the residual carried in, none on the first
+    layer), then `layer.self_attn`; returns (attention output, residual), both narrowed to `output_rows`."""
+    if residual is None:
+        residual = hidden_states
+        hidden_states = layer.input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = layer.input_layernorm(hidden_states, residual)
+    hidden_states = layer.self_attn(step, hidden_states, kv_cache, output_rows)
+    if output_rows is not None:
+        residual = residual.index_select(0, output_rows)
+    return hidden_states, residual
+
+
 class CausalLMBase(nn.Module):
     """Embedding, decoder layers, final norm and LM head; `forward` returns hidden states, not logits.
 

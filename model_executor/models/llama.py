@@ -16,7 +16,7 @@ from model_executor.layers.attention import DecoderAttention
 from model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from model_executor.layers.norm import RMSNorm
 from model_executor.layers.rotary import check_rope_parameters, rope_parameters
-from model_executor.models.decoder import CausalLMBase, StepInputs, config_head_dim
+from model_executor.models.decoder import CausalLMBase, StepInputs, attend_with_residual, config_head_dim
 from model_executor.parallel_state import ParallelContext
 
 
@@ -52,14 +52,7 @@ class LlamaDecoderLayer(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) of `output_rows` only (all rows if None); every row's K/V is cached either way."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(step, hidden_states, kv_cache, output_rows)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows)
+        hidden_states, residual = attend_with_residual(self, step, hidden_states, residual, kv_cache, output_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
