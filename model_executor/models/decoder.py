@@ -83,6 +83,8 @@ class CausalLMBase(nn.Module):
     """Whether the C++ decoder stack (`model_executor.cpu_decode_stack`) can run this family's layers."""
 
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
+        # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
+        self.check_config(config)
         super().__init__()
         self.config = config
         self.parallel = parallel

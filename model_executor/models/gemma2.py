@@ -116,8 +116,6 @@ class GemmaCausalLMBase(CausalLMBase):
         check_gemma_config(cls.family, hf_config, cls.layer_types(hf_config))
 
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
-        # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
-        self.check_config(config)
         super().__init__(config, parallel, attention_backend, device)
         if parallel.is_first_stage:
             # transformers rounds sqrt(hidden_size) to the model dtype before multiplying (55.4256 -> 55.5 in bf16).

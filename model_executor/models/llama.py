@@ -20,6 +20,15 @@ from model_executor.models.decoder import CausalLMBase, StepInputs, attend_with_
 from model_executor.parallel_state import ParallelContext
 
 
+def check_silu_and_rope(hf_config: Any, owner: str = "") -> None:
+    """What a SwiGLU family built from LlamaMLP refuses: another `hidden_act`, a rope type we cannot build.
+    `owner` prefixes the message ("Qwen2ForCausalLM: ")."""
+    hidden_act = getattr(hf_config, "hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"{owner}hidden_act {hidden_act!r} is not supported (silu is)")
+    check_rope_parameters(rope_parameters(hf_config))
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one column-parallel matmul."""
 
@@ -65,10 +74,7 @@ class LlamaForCausalLM(CausalLMBase):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported (silu is)")
-        check_rope_parameters(rope_parameters(hf_config))
+        check_silu_and_rope(hf_config)
 
     def make_layer(self, index: int) -> nn.Module:
         config = self.config
@@ -89,8 +95,3 @@ class LlamaForCausalLM(CausalLMBase):
             config.hidden_size, config.intermediate_size, self.parallel, bias=bool(getattr(config, "mlp_bias", False))
         )
         return LlamaDecoderLayer(self_attn, mlp, config.hidden_size, config.rms_norm_eps)
-
-    def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
-        # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
-        self.check_config(config)
-        super().__init__(config, parallel, attention_backend, device)

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from model_executor.layers.attention import DecoderAttention
-from model_executor.layers.rotary import check_rope_parameters, rope_parameters
 from model_executor.models.decoder import CausalLMBase, config_head_dim
-from model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
-from model_executor.parallel_state import ParallelContext
+from model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, check_silu_and_rope
 
 
 def layer_sliding_window(config: Any, index: int) -> int | None:
@@ -35,15 +32,7 @@ class Qwen2ForCausalLM(CausalLMBase):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"{cls.__name__}: hidden_act {hidden_act!r} is not supported (silu is)")
-        check_rope_parameters(rope_parameters(hf_config))
-
-    def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
-        # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
-        self.check_config(config)
-        super().__init__(config, parallel, attention_backend, device)
+        check_silu_and_rope(hf_config, f"{cls.__name__}: ")
 
     def make_attention(self, index: int) -> DecoderAttention:
         config = self.config
