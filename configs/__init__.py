@@ -2,7 +2,7 @@
 
 from configs.app_config import AppConfig, ServeConfig
 from configs.engine_config import EngineConfig
-from configs.sampling_params import SamplingParams
+from configs.sampling_params import SamplingParams, StructuredOutputsParams
 from configs.sections import CacheConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "SchedulerConfig",
     "ServeConfig",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
 ]

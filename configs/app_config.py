@@ -51,12 +51,26 @@ class ServeConfig(Section):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config for the ingress (replaces ingress_replicas)."
     )
+    enable_auto_tool_choice: bool = Field(
+        False, description="Let the model decide when to call tools (tool_choice 'auto'); needs tool_call_parser."
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="How tool calls are read from the model's text: 'hermes' (Qwen2.5/Qwen3 <tool_call> blocks), "
+        "'llama3_json' (Llama 3.1/3.2 JSON calls).",
+    )
     direct_ingress: bool | None = Field(
         None,
         description="The ingress replica serves HTTP on `port` itself, without the hop through Serve's proxy "
         "(which moves to port + 1): less CPU per streamed token. One ingress replica; an embedded Ray only. "
         "None: on where it applies (the Ray `pagedserve serve` starts, one ingress replica), off elsewhere.",
     )
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self) -> ServeConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("serve.enable_auto_tool_choice needs serve.tool_call_parser (--tool-call-parser)")
+        return self
 
     @model_validator(mode="after")
     def _direct_ingress_has_one_replica(self) -> ServeConfig:

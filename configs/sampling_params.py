@@ -2,11 +2,72 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is sampled greedily (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output's text (vLLM's names): exactly one of these is set.
+
+    The grammar engine checks the constraint itself (`model_executor.structured_output.check_structured_outputs`).
+    """
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (as a dict or its JSON text) the output must validate against."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF-style) grammar whose `root` rule the output must derive."""
+    json_object: bool | None = None
+    """The output is any JSON object (OpenAI's response_format json_object)."""
+    disable_any_whitespace: bool = True
+    """JSON without free whitespace between tokens (compact separators): small models otherwise loop on newlines."""
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got "
+                f"{', '.join(kinds) if kinds else 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text).")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string.")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a string.")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(option, str) and option for option in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraints set (valid params have exactly one)."""
+        named = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        kinds = [name for name, value in named.items() if value is not None]
+        return [*kinds, "json_object"] if self.json_object else kinds
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: equal keys share one compilation."""
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return self.kind, text or "", self.disable_any_whitespace
 
 
 @dataclass
@@ -53,12 +114,16 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top alternatives per position (0 up to the engine's
     model.max_logprobs, which `verify_max_logprobs` checks)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (compiled by the sampling worker)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()

@@ -24,6 +24,7 @@ from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_info import ModelInfo
 from model_executor.step_plan import StepPlan
+from model_executor.structured_output import check_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class EngineCore:
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
         params.verify_max_logprobs(self.config.model.max_logprobs)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         first_child = child_request_id(request_id, 0)
         child_ids = []
         for index in range(params.n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import json
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,20 @@ def _check_engine_args(engine_args: Mapping[str, Any]) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise TypeError(f"LLM() got an unexpected keyword argument {key!r}{hint}")
+
+
+def _with_parsed_tool_arguments(message: Message) -> Message:
+    """An assistant message's tool-call arguments as objects (templates read them so), from OpenAI's JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = dict(call.get("function", {}))
+        if isinstance(function.get("arguments"), str):
+            function["arguments"] = json.loads(function["arguments"])
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
 
 
 class LLM:
@@ -128,22 +143,29 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         use_tqdm: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate. `tools`:
+        OpenAI-shaped tool definitions the template shows the model (its calls come back as text, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.apply_chat_template(conversation, add_generation_prompt, continue_final_message)
+            self.apply_chat_template(conversation, add_generation_prompt, continue_final_message, tools)
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         if not messages:
             raise ValueError("messages must not be empty.")
         text = self.tokenizer.apply_chat_template(
-            list(messages),
+            [_with_parsed_tool_arguments(message) for message in messages],
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,

@@ -19,6 +19,7 @@ from model_executor.model_loader import load_model
 from model_executor.parallel_state import ParallelContext
 from model_executor.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from model_executor.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class ModelRunner:
         # The only rank: nobody else needs the sampled tokens, so plans don't carry them back (see Scheduler).
         self.keeps_sampled_tokens = self.parallel.tp_size * self.parallel.pp_size == 1
         self.sampler = Sampler(model_info.eos_token_ids)
+        # Structured outputs: the sampling rank alone constrains (the others learn its tokens from the plans).
+        self.grammar_compiler = (
+            GrammarCompiler(model_info.model_dir, model_info.vocab_size, sorted(model_info.eos_token_ids))
+            if self.is_driver
+            else None
+        )
+        self.grammars: dict[str, RequestGrammar] = {}
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a resumed request continues the same random stream.
         self.generators: dict[str, torch.Generator] = {}
@@ -244,6 +252,10 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
                 self.generators[new.request_id] = generator
+        spec = new.sampling_params.structured_outputs
+        if spec is not None and self.grammar_compiler is not None:
+            # Compiles while this step's forward runs; a resumed request's matcher replays what it generated.
+            self.grammars[new.request_id] = RequestGrammar(self.grammar_compiler.submit(spec), new.output_token_ids)
         token_ids = new.prompt_token_ids + new.output_token_ids
         num_prompt = len(new.prompt_token_ids)
         row = SamplingRow(new.sampling_params, token_ids[:num_prompt], token_ids[num_prompt:], generator)
@@ -255,8 +267,10 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
             self.generators.pop(request_id, None)
+            self.grammars.pop(request_id, None)
         for request_id in plan.preempted_request_ids:
             self.requests.pop(request_id, None)
+            self.grammars.pop(request_id, None)
         for new in plan.new_requests:
             self._add_request(new)
         for cached in plan.cached_requests:
@@ -319,19 +333,33 @@ class ModelRunner:
         """Plain greedy rows through the screened head where there is one; the rest through the LM head and the
         sampler (every tensor-parallel rank computes logits; only the driver samples)."""
         sampling_rows = batch.sampling_rows()
+        bitmask = self._grammar_bitmask(batch, len(sampling_rows)) if self.grammars else None
         greedy_index = (
             [index for index, row in enumerate(sampling_rows) if self.sampler.is_plain_greedy(row)]
             if self.greedy_screen is not None
             else []
         )
         if greedy_index:
-            sampled = self._sample_with_screen(hidden_states, sampling_rows, greedy_index)
+            sampled = self._sample_with_screen(hidden_states, sampling_rows, greedy_index, bitmask)
         else:
             logits = self.model.compute_logits(hidden_states).float()
             if not self.is_driver:
                 return StepResult()
-            sampled = self.sampler(logits, sampling_rows)
+            sampled = self.sampler(logits, sampling_rows, bitmask)
         return self._step_result(batch.sampling_states, batch.step_drafts, sampled)
+
+    def _grammar_bitmask(self, batch: InputBatch, num_rows: int) -> torch.Tensor | None:
+        """Allowed tokens of every sampled row (all allowed for unconstrained rows); None if no row is constrained."""
+        bitmask = None
+        row = 0
+        for state, drafts in zip(batch.sampling_states, batch.step_drafts, strict=True):
+            grammar = self.grammars.get(state.request_id)
+            if grammar is not None:
+                if bitmask is None:
+                    bitmask = allocate_bitmask(num_rows, self.model_info.vocab_size)
+                grammar.fill_bitmask(bitmask, row, drafts)
+            row += len(drafts) + 1
+        return bitmask
 
     def _step_result(
         self, states: list[RunnerRequestState], step_drafts: list[list[int]], sampled: SamplerOutput
@@ -349,6 +377,9 @@ class ModelRunner:
                 num_accepted += 1
             token_ids = rows_sampled[: num_accepted + 1]
             result.sampled_token_ids.append(token_ids)
+            grammar = self.grammars.get(state.request_id)
+            if grammar is not None:
+                grammar.accept(token_ids)
             if has_logprobs:
                 result.logprobs.append(sampled.logprobs[row : row + num_accepted + 1])
             row += len(drafts) + 1
@@ -361,7 +392,7 @@ class ModelRunner:
         return result
 
     def _sample_with_screen(
-        self, hidden: torch.Tensor, rows: list[SamplingRow], greedy_index: list[int]
+        self, hidden: torch.Tensor, rows: list[SamplingRow], greedy_index: list[int], bitmask: torch.Tensor | None
     ) -> SamplerOutput:
         """The plain greedy rows (`greedy_index`) through the screened head; the others (sampled, logprobs,
         penalties) through the fp32 head and the sampler, as if they were the whole batch (every sampler stage works
@@ -374,7 +405,8 @@ class ModelRunner:
             hidden_greedy = hidden.index_select(0, torch.tensor(greedy_index, dtype=torch.int64))
             hidden_other = hidden.index_select(0, torch.tensor(other_index, dtype=torch.int64))
             logits = self.model.compute_logits(hidden_other).float()
-            others = self.sampler(logits, [rows[index] for index in other_index])
+            other_bitmask = None if bitmask is None else bitmask[other_index]
+            others = self.sampler(logits, [rows[index] for index in other_index], other_bitmask)
             for index, token_id, entry in zip(other_index, others.sampled_token_ids, others.logprobs, strict=True):
                 token_ids[index], logprobs[index] = token_id, entry
         else:

@@ -2,6 +2,7 @@
 
 Semantics follow vLLM v1:
 
+0. structured outputs: the tokens a row's grammar forbids are set to -inf first (one masked fill for the batch);
 1. logprobs (when a row asks for them) come from the RAW model logits, before any processing ("raw_logprobs");
 2. min_tokens: EOS and the row's stop_token_ids are set to -inf while fewer than min_tokens tokens were generated;
 3. logit_bias is added;
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from configs.sampling_params import SamplingParams
+from model_executor.structured_output import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +79,23 @@ class Sampler:
     def __init__(self, eos_token_ids: Collection[int]) -> None:
         self.eos_token_ids: tuple[int, ...] = tuple(sorted({int(t) for t in eos_token_ids}))
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """Sample the next token of every row.
 
         `logits` is float32 [len(rows), vocab_size] and is modified in place. Token ids in the rows (prompt, output,
-        logit_bias keys, stop_token_ids) must be < vocab_size.
+        logit_bias keys, stop_token_ids) must be < vocab_size. `bitmask`: int32 [len(rows), words] of allowed tokens
+        (bit t % 32 of word t // 32), read for the rows with structured outputs.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}.")
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if bitmask is not None:
+            constrained = [i for i, row in enumerate(rows) if row.params.structured_outputs is not None]
+            if constrained:
+                apply_bitmask(logits, bitmask, constrained)
         if all(map(self.is_plain_greedy, rows)):
             # Nothing to process, nothing to report: the common decode step of a greedy batch is one argmax.
             return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
@@ -123,6 +132,7 @@ class Sampler:
         params = row.params
         return (
             params.is_greedy
+            and params.structured_outputs is None
             and params.logprobs is None
             and not params.logit_bias
             and not params.needs_penalties

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from serve_app.protocol import ChatMessage
+from serve_app.tool_calling import template_messages
 from serve_app.validation import PromptLengthLimit, RequestError
 
 
@@ -48,10 +50,15 @@ class ChatTemplate:
         self.special_token_text = re.compile("|".join(map(re.escape, special))) if special else None
 
     def render(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt's token ids. Each special-token string in a message is swapped for a placeholder before
-        rendering, and the placeholder tokenized as the plain text it stands for."""
+        rendering, and the placeholder tokenized as the plain text it stands for. `tools`: OpenAI's tool
+        definitions, passed to the template as `tools`."""
         if not messages:
             raise RequestError(400, "messages must not be empty.", param="messages")
         literals: dict[str, str] = {}
@@ -68,12 +75,11 @@ class ChatTemplate:
         try:
             contents = [message_text(message) for message in messages]
             self.length_limit.check(sum(map(len, contents)), "messages")
-            conversation = [
-                {"role": message.role, "content": hide_special_text(content)}
-                for message, content in zip(messages, contents)
-            ]
+            conversation = template_messages(messages, [hide_special_text(content) for content in contents])
+            self._refuse_special_text_in_tools(messages, tools)
             text = self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
@@ -90,6 +96,22 @@ class ChatTemplate:
             elif piece:
                 token_ids += self.tokenizer.encode(piece, add_special_tokens=False)
         return token_ids
+
+    def _refuse_special_text_in_tools(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> None:
+        """Tool definitions and earlier calls reach the template as JSON values, where no placeholder can stand in
+        for a special-token string: one there is refused rather than read as a control token."""
+        if self.special_token_text is None:
+            return
+        if tools and self.special_token_text.search(json.dumps(tools, ensure_ascii=False)):
+            raise RequestError(400, "tools must not contain special-token text.", param="tools")
+        for index, message in enumerate(messages):
+            for call in message.tool_calls or []:
+                if self.special_token_text.search(call.function.name + call.function.arguments):
+                    raise RequestError(
+                        400,
+                        f"messages.{index}.tool_calls must not contain special-token text.",
+                        param=f"messages.{index}.tool_calls",
+                    )
 
     def plain_text_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` with every special-token string in it spelled out as ordinary text."""

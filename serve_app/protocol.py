@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from configs.sampling_params import SamplingParams
+from configs.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -24,12 +24,37 @@ def now() -> int:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI clients send extras (vLLM does the same); NaN is not a number.
+    # Unknown fields are accepted (vLLM does the same); request_fields refuses the known ones we do not honour and
+    # logs the others once. NaN is not a number.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -56,13 +81,58 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    # Which table of serve_app.request_fields applies to the raw body.
+    endpoint: ClassVar[str]
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for, and the field that asked (for errors). Raises ValueError
+        naming the fields when more than one asks."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None:
+                raise ValueError("response_format.json_schema is required when type is json_schema.")
+            asked.append(("response_format", {"json": response_format.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            asked.append(("structured_outputs", fields))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            raise ValueError(f"{asked[0][0]}: give one output constraint, not {' and '.join(n for n, _ in asked)}.")
+        field, fields = asked[0]
+        try:
+            return StructuredOutputsParams(**fields), field
+        except ValueError as error:
+            raise ValueError(f"{field}: {error}") from error
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range. `defaults`: the model's
         generation_config.json values for the sampling fields the request omits or sets to null (as vLLM does);
-        `max_tokens` comes resolved (see `explicit_max_tokens`)."""
+        `max_tokens` comes resolved (see `explicit_max_tokens`); `structured_outputs` too (checked by the caller)."""
         defaults = defaults or {}
 
         def pick(name: str, fallback: float) -> Any:
@@ -95,10 +165,12 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
 
 
 class CompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "completions"
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -109,13 +181,56 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(OpenAIBaseModel):
+    """A tool call of an earlier assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -131,6 +246,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = True
@@ -221,9 +337,30 @@ class CompletionStreamResponse(StreamChunk):
     usage: Usage | None = None
 
 
+class ToolCallFunction(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(ResponseModel):
+    """`tool_calls` is sent only when the model called tools (then `content` may be null)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        fields = handler(self)
+        if not fields.get("tool_calls"):
+            fields.pop("tool_calls", None)
+        return fields
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -243,15 +380,39 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage
 
 
+class DeltaFunction(ResponseModel):
+    """A piece of a streamed call: the name once, in the call's first delta; then pieces of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, str]:
+        pairs = (("name", self.name), ("arguments", self.arguments))
+        return {name: value for name, value in pairs if value is not None}
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(ResponseModel):
     """What a chat stream chunk adds to the message: only the fields it sets are sent (`{}` on the last one)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
-    @model_serializer
-    def _set_fields_only(self) -> dict[str, str]:
-        return {name: value for name, value in (("role", self.role), ("content", self.content)) if value is not None}
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionStreamChoice(ResponseModel):

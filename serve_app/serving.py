@@ -19,6 +19,7 @@ from executor.engine_core import validate_prompt
 from executor.outputs import EngineInfo
 from model_executor.model_fetch import resolve_configured_model
 from model_executor.model_info import generation_defaults as model_generation_defaults
+from model_executor.structured_output import check_structured_outputs
 from serve_app.chat_template import ChatTemplate, refuse_request_templates
 from serve_app.logprobs import LogprobFormatter
 from serve_app.protocol import (
@@ -32,18 +33,24 @@ from serve_app.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     SamplingFields,
     StreamChunk,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
+    ToolCallFunction,
     Usage,
     now,
     random_id,
 )
 from serve_app.request_runner import Prompt, RequestRunner, Submission
+from serve_app.tool_calling import ToolCallPlan, plan_tool_calls, template_tools
+from serve_app.tool_parsers import ParsedOutput, StreamDelta, ToolCallStream
 from serve_app.validation import PromptLengthLimit, RequestError, check_model, parameter_named_in
 
 logger = logging.getLogger(__name__)
@@ -97,7 +104,11 @@ class OpenAIServing:
             raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
             token_ids = await self._tokenizing(
-                self.chat_template.render, body.messages, body.add_generation_prompt, body.continue_final_message
+                self.chat_template.render,
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                template_tools(body.tools),
             )
         else:
             token_ids = await self._tokenizing(
@@ -114,9 +125,15 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     def _sampling_params(
-        self, body: SamplingFields, max_tokens: int | None, logprobs: int | None, logprobs_param: str
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        logprobs_param: str,
+        tool_plan: ToolCallPlan | None = None,
     ) -> SamplingParams:
-        """`logprobs_param`: the request's name for `logprobs`, for the error."""
+        """`logprobs_param`: the request's name for `logprobs`, for the error. The output constraint is the
+        request's own, or the one its tool_choice implies (`tool_plan`)."""
         settings = self.settings
         if body.n > settings.max_n:
             raise RequestError(400, f"n must be at most {settings.max_n}, got {body.n}.", param="n")
@@ -128,8 +145,9 @@ class OpenAIServing:
             )
         if body.stream_options is not None and not body.stream:
             raise RequestError(400, "stream_options can only be set when stream is true.", param="stream_options")
+        constraint = self._output_constraint(body, tool_plan)
         try:
-            params = body.sampling_params(max_tokens, logprobs, self.generation_defaults)
+            params = body.sampling_params(max_tokens, logprobs, self.generation_defaults, constraint)
         except ValueError as error:
             raise RequestError(400, str(error), param=parameter_named_in(str(error))) from error
         try:
@@ -137,6 +155,23 @@ class OpenAIServing:
         except ValueError as error:
             raise RequestError(400, str(error), param=logprobs_param) from error
         return params
+
+    @staticmethod
+    def _output_constraint(body: SamplingFields, tool_plan: ToolCallPlan | None) -> Any:
+        """The request's checked output constraint (a 400 naming its field if the grammar engine refuses it)."""
+        try:
+            constraint, field = body.structured_outputs_params()
+        except ValueError as error:
+            field = str(error).split(":", 1)[0]
+            raise RequestError(400, str(error), param=field) from error
+        if tool_plan is not None and tool_plan.constraint is not None:
+            constraint, field = tool_plan.constraint, "tools"
+        if constraint is not None:
+            try:
+                check_structured_outputs(constraint)
+            except ValueError as error:
+                raise RequestError(400, f"{field}: {error}", param=field) from error
+        return constraint
 
     def _max_tokens(self, explicit: int | None, fallback: int | None) -> tuple[int | None, bool]:
         """(max_tokens, whether the model's generation config chose it): the client's own, else the model's
@@ -200,6 +235,7 @@ class OpenAIServing:
         self._validate_prompts(prompts, params_per_prompt)
         completion_id = random_id("cmpl")
         created = now()
+        log_request_tags(completion_id, body)
         submissions = await self.runner.submit(completion_id, prompts, params_per_prompt)
         if body.stream:
             chunks = self._completion_chunks(completion_id, created, prompts, submissions, params, body)
@@ -274,32 +310,43 @@ class OpenAIServing:
         refuse_request_templates(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+        settings = self.settings
+        tool_plan = plan_tool_calls(body, settings.tool_call_parser, settings.enable_auto_tool_choice)
         prompt_token_ids = await self._tokenizing(
-            self.chat_template.render, body.messages, body.add_generation_prompt, body.continue_final_message
+            self.chat_template.render,
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            template_tools(body.tools),
         )
         max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, "top_logprobs")
+        params = self._sampling_params(body, max_tokens, logprobs, "top_logprobs", tool_plan)
         prompts: list[Prompt] = [(None, prompt_token_ids)]
         params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
         self._validate_prompts(prompts, params_per_prompt)
         completion_id = random_id("chatcmpl")
         created = now()
+        log_request_tags(completion_id, body)
         submissions = await self.runner.submit(completion_id, prompts, params_per_prompt)
         if body.stream:
-            chunks = self._chat_chunks(completion_id, created, len(prompt_token_ids), submissions, params, body)
+            chunks = self._chat_chunks(
+                completion_id, created, len(prompt_token_ids), submissions, params, body, tool_plan
+            )
             return ChunkStream(chunks, submissions)
         state = (await self.runner.run_to_end(submissions, params))[0]
-        choices = [
-            ChatCompletionChoice(
-                index=completion.index,
-                message=AssistantMessage(content=completion.text),
-                logprobs=None if completion.logprobs is None else self.logprobs.chat(completion.logprobs),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in state.output.outputs:
+            message, finish_reason = assistant_message(completion.text, completion.finish_reason, tool_plan)
+            choices.append(
+                ChatCompletionChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=None if completion.logprobs is None else self.logprobs.chat(completion.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in state.output.outputs
-        ]
         num_completion_tokens = sum(len(completion.token_ids) for completion in state.output.outputs)
         return ChatCompletionResponse(
             id=completion_id,
@@ -317,6 +364,7 @@ class OpenAIServing:
         submissions: list[Submission],
         params: SamplingParams,
         body: ChatCompletionRequest,
+        tool_plan: ToolCallPlan,
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
         chunk = functools.partial(
             ChatCompletionStreamResponse, id=completion_id, created=created, model=self.model_name
@@ -325,20 +373,86 @@ class OpenAIServing:
             opening = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             yield chunk(choices=[opening])
         num_completion_tokens = 0
+        # Per completion: the tool-call parser's state and the text so far (the parser reads the whole of it).
+        tool_streams = {index: StreamedToolCalls(tool_plan) for index in range(params.n)} if tool_plan.parser else {}
         async for _, state in self.runner.merged(submissions, params):
             for delta in state.deltas:
                 num_completion_tokens += len(delta.token_ids)
                 logprobs = self.logprobs.chat(delta.logprobs) if params.logprobs is not None else None
+                finish_reason = delta.finish_reason
+                if tool_plan.parser is not None:
+                    streamed = tool_streams[delta.index]
+                    message = streamed.feed(delta.text, finish_reason is not None)
+                    if finish_reason == "stop" and streamed.called_tools:
+                        finish_reason = "tool_calls"
+                else:
+                    message = DeltaMessage(content=delta.text) if delta.text else None
                 # Logprobs asked for: every delta is sent, even one with no text.
-                if delta.text or logprobs is not None:
-                    content = DeltaMessage(content=delta.text)
+                if message is not None or logprobs is not None:
                     yield chunk(
-                        choices=[ChatCompletionStreamChoice(index=delta.index, delta=content, logprobs=logprobs)]
+                        choices=[
+                            ChatCompletionStreamChoice(
+                                index=delta.index, delta=message or DeltaMessage(content=""), logprobs=logprobs
+                            )
+                        ]
                     )
-                if delta.finish_reason is not None:
+                if finish_reason is not None:
                     ending = ChatCompletionStreamChoice(
-                        index=delta.index, delta=DeltaMessage(), finish_reason=delta.finish_reason
+                        index=delta.index, delta=DeltaMessage(), finish_reason=finish_reason
                     )
                     yield chunk(choices=[ending])
         if body.stream_options and body.stream_options.include_usage:
             yield chunk(choices=[], usage=Usage.of(num_prompt_tokens, num_completion_tokens))
+
+
+def log_request_tags(request_id: str, body: SamplingFields) -> None:
+    """The caller's own tags for a request (OpenAI's user, safety_identifier, metadata), in the server's log."""
+    tags = {name: getattr(body, name, None) for name in ("user", "safety_identifier", "metadata")}
+    tags = {name: value for name, value in tags.items() if value is not None}
+    if tags:
+        logger.info("request %s: %s", request_id, tags)
+
+
+def assistant_message(text: str, finish_reason: str | None, plan: ToolCallPlan) -> tuple[AssistantMessage, str | None]:
+    """The reply message of a finished completion, its tool calls read from the text when tools may be called."""
+    if plan.parser is None:
+        return AssistantMessage(content=text), finish_reason
+    parsed: ParsedOutput = plan.parser.parse(text)
+    calls = parsed.tool_calls[: plan.max_calls] if plan.max_calls is not None else parsed.tool_calls
+    if not calls:
+        return AssistantMessage(content=text), finish_reason
+    tool_calls = [
+        ToolCall(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments)) for call in calls
+    ]
+    return (
+        AssistantMessage(content=parsed.content, tool_calls=tool_calls),
+        "tool_calls" if finish_reason == "stop" else finish_reason,
+    )
+
+
+class StreamedToolCalls:
+    """One streamed completion read by its tool-call parser: each text delta in, the message delta to send out."""
+
+    def __init__(self, plan: ToolCallPlan):
+        self.stream: ToolCallStream = plan.parser.stream()
+        self.max_calls = plan.max_calls
+        self.text = ""
+        self.called_tools = False
+
+    def feed(self, text: str, final: bool) -> DeltaMessage | None:
+        self.text += text
+        parsed: StreamDelta = self.stream.feed(self.text, final)
+        calls = [call for call in parsed.tool_calls if self.max_calls is None or call.index < self.max_calls]
+        self.called_tools = self.called_tools or bool(calls)
+        if not parsed.content and not calls:
+            return None
+        delta_calls = [
+            DeltaToolCall(
+                index=call.index,
+                id=call.id,
+                type="function" if call.id is not None else None,
+                function=DeltaFunction(name=call.name, arguments=call.arguments),
+            )
+            for call in calls
+        ]
+        return DeltaMessage(content=parsed.content or None, tool_calls=delta_calls or None)

@@ -35,9 +35,15 @@ def parameter_named_in(message: str) -> str | None:
 
 
 def validate_payload(model: type[BaseModel], payload: Any) -> Any:
-    """A JSON object -> the request model, or a 400 naming the first bad field (never pydantic's 422)."""
+    """A JSON object -> the request model, or a 400 naming the first bad field (never pydantic's 422). Chat and
+    completions bodies first go through the table of fields we honour or refuse (serve_app.request_fields)."""
     if not isinstance(payload, dict):
         raise RequestError(400, "request body must be a JSON object")
+    endpoint = getattr(model, "endpoint", None)
+    if endpoint is not None:
+        from serve_app.request_fields import check_request_fields  # it imports this module
+
+        check_request_fields(payload, endpoint)
     try:
         return model.model_validate(payload)
     except ValidationError as error:
