@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 COMPACT_SEPARATORS = (", ", ": ")
 # Free whitespace allowed in one place when it is on: bounded, so a model cannot pad forever.
 MAX_WHITESPACE = 8
-# Tokens a matcher can take back: a step's drafts plus its sampled token.
-MAX_ROLLBACK_TOKENS = 64
 
 
 def choice_grammar(options: Sequence[str]) -> str:
@@ -35,14 +33,30 @@ def choice_grammar(options: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)
 
 
+def _bounded_strings_as_patterns(schema: Any) -> Any:
+    """The schema with each length-bounded plain string given as a pattern of the same bounds without control
+    characters, quotes or backslashes: xgrammar 0.2.8 lets control bytes into a maxLength string (invalid JSON,
+    mlc-ai/xgrammar#800), while its pattern strings are escaped correctly."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rewritten = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    bounded = "minLength" in schema or "maxLength" in schema
+    plain = not any(key in schema for key in ("pattern", "format", "enum", "const"))
+    if schema.get("type") == "string" and bounded and plain:
+        low, high = rewritten.pop("minLength", 0), rewritten.pop("maxLength", "")
+        rewritten["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+    return rewritten
+
+
 def _schema_text(schema: str | dict[str, Any]) -> str:
     if isinstance(schema, str):
         try:
-            json.loads(schema)
+            schema = json.loads(schema)
         except ValueError as error:
             raise ValueError(f"the JSON schema is not valid JSON: {error}") from error
-        return schema
-    return json.dumps(schema)
+    return json.dumps(_bounded_strings_as_patterns(schema))
 
 
 def _json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
@@ -136,7 +150,7 @@ class RequestGrammar:
         if self._matcher is None:
             import xgrammar
 
-            self._matcher = xgrammar.GrammarMatcher(self._compiled.result(), max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            self._matcher = xgrammar.GrammarMatcher(self._compiled.result())
         if self._pending:
             pending, self._pending = self._pending, []
             self.accept(pending)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -292,3 +293,8 @@ def test_markdown_table_lists_every_refused_field_with_its_endpoints():
     assert rows == {field: ", ".join(endpoints) for field, endpoints in refused_on.items()}
     assert rows["echo"] == "chat"
     assert "temperature" not in rows
+
+
+def test_readme_carries_the_current_refused_fields_table():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert refused_fields_markdown() in readme
