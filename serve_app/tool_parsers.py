@@ -556,7 +556,12 @@ class _Llama3JsonStream(_ScanningStream):
                     return
 
 
-class _RequiredStream(_ScanningStream):
+class _WholeOutputStream(_ScanningStream):
+    """A forced format whose whole output is JSON (`required`, named): calls, then only whitespace."""
+
+    # The state after a call's object ends.
+    after_call = "tail"
+
     def __init__(self):
         super().__init__("start", holding=True)
 
@@ -567,7 +572,7 @@ class _RequiredStream(_ScanningStream):
                 if not self._read_call(final):
                     return
                 self._pos = self._scanner.end
-                self._state = "between"
+                self._state = self.after_call
                 continue
             if self._state == "tail":
                 self._read_tail()
@@ -577,46 +582,43 @@ class _RequiredStream(_ScanningStream):
                 if final:
                     self._cut()
                 return
-            char = text[at]
-            if self._state == "start" and char == "[":
-                self._pos = at + 1
-                self._state = "element"
-            elif self._state == "element" and char == "{":
-                self._begin_call(_CallObjectScanner(at))
-            elif self._state == "between" and char in ",]":
-                self._pos = at + 1
-                self._state = "element" if char == "," else "tail"
-            else:
+            if not self._read_structure(text, at):
                 self._fail(at)
                 return
 
+    @abstractmethod
+    def _read_structure(self, text: str, at: int) -> bool:
+        """Take the structural character at `at` (a call begins, a separator); False: the output is not the format."""
 
-class _NamedStream(_ScanningStream):
+
+class _RequiredStream(_WholeOutputStream):
+    after_call = "between"
+
+    def _read_structure(self, text: str, at: int) -> bool:
+        char = text[at]
+        if self._state == "start" and char == "[":
+            self._pos = at + 1
+            self._state = "element"
+        elif self._state == "element" and char == "{":
+            self._begin_call(_CallObjectScanner(at))
+        elif self._state == "between" and char in ",]":
+            self._pos = at + 1
+            self._state = "element" if char == "," else "tail"
+        else:
+            return False
+        return True
+
+
+class _NamedStream(_WholeOutputStream):
     def __init__(self, name: str):
-        super().__init__("start", holding=True)
+        super().__init__()
         self._name = name
 
-    def _step(self, final: bool) -> None:
-        text = self._text
-        while not self._plain:
-            if self._state == "call":
-                if not self._read_call(final):
-                    return
-                self._pos = self._scanner.end
-                self._state = "tail"
-                continue
-            if self._state == "tail":
-                self._read_tail()
-                return
-            at = _skip_space(text, 0)
-            if at == len(text):
-                if final:
-                    self._cut()
-                return
-            if text[at] != "{":
-                self._fail(at)
-                return
-            self._begin_call(_BareArgumentsScanner(text, at, self._name))
+    def _read_structure(self, text: str, at: int) -> bool:
+        if text[at] != "{":
+            return False
+        self._begin_call(_BareArgumentsScanner(text, at, self._name))
+        return True
 
 
 class _ScanningParser(ToolParser):
