@@ -33,6 +33,14 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class ConstraintError(ValueError):
+    """A request's output constraint is malformed: `field` is the request field that holds it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class JsonSchemaFormat(OpenAIBaseModel):
     name: str
     description: str | None = None
@@ -92,15 +100,17 @@ class SamplingFields(OpenAIBaseModel):
     endpoint: ClassVar[str]
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
-        """The output constraint the request asks for, and the field that asked (for errors). Raises ValueError
-        naming the fields when more than one asks."""
+        """The output constraint the request asks for, and the field that asked (for errors). Raises
+        ConstraintError when more than one asks, or the one that asks is malformed."""
         asked: list[tuple[str, dict[str, Any]]] = []
         response_format = self.response_format
         if response_format is not None and response_format.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
         elif response_format is not None and response_format.type == "json_schema":
             if response_format.json_schema is None:
-                raise ValueError("response_format.json_schema is required when type is json_schema.")
+                raise ConstraintError(
+                    "response_format", "response_format.json_schema is required when type is json_schema."
+                )
             asked.append(("response_format", {"json": response_format.json_schema.json_schema}))
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
@@ -116,12 +126,13 @@ class SamplingFields(OpenAIBaseModel):
         if not asked:
             return None, None
         if len(asked) > 1:
-            raise ValueError(f"{asked[0][0]}: give one output constraint, not {' and '.join(n for n, _ in asked)}.")
+            names = " and ".join(name for name, _ in asked)
+            raise ConstraintError(asked[0][0], f"{asked[0][0]}: give one output constraint, not {names}.")
         field, fields = asked[0]
         try:
             return StructuredOutputsParams(**fields), field
         except ValueError as error:
-            raise ValueError(f"{field}: {error}") from error
+            raise ConstraintError(field, f"{field}: {error}") from error
 
     def sampling_params(
         self,

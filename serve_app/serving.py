@@ -49,7 +49,7 @@ from serve_app.protocol import (
     random_id,
 )
 from serve_app.request_runner import Prompt, RequestRunner, Submission
-from serve_app.tool_calling import ToolCallPlan, plan_tool_calls, template_tools
+from serve_app.tool_calling import ToolCallPlan, plan_tool_calls, requested_constraint, template_tools
 from serve_app.tool_parsers import ParsedOutput, StreamDelta, ToolCallStream
 from serve_app.validation import PromptLengthLimit, RequestError, check_model, parameter_named_in
 
@@ -159,11 +159,7 @@ class OpenAIServing:
     @staticmethod
     def _output_constraint(body: SamplingFields, tool_plan: ToolCallPlan | None) -> Any:
         """The request's checked output constraint (a 400 naming its field if the grammar engine refuses it)."""
-        try:
-            constraint, field = body.structured_outputs_params()
-        except ValueError as error:
-            field = str(error).split(":", 1)[0]
-            raise RequestError(400, str(error), param=field) from error
+        constraint, field = requested_constraint(body)
         if tool_plan is not None and tool_plan.constraint is not None:
             constraint, field = tool_plan.constraint, "tools"
         if constraint is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from configs.sampling_params import StructuredOutputsParams
-from serve_app.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from serve_app.protocol import ChatCompletionRequest, ChatTool, ConstraintError, NamedToolChoice, SamplingFields
 from serve_app.tool_parsers import NamedToolCallParser, RequiredToolCallsParser, ToolParser, tool_parser
 from serve_app.validation import RequestError
 
@@ -24,6 +24,14 @@ class ToolCallPlan:
     constraint: StructuredOutputsParams | None = None
     max_calls: int | None = None
     """parallel_tool_calls false: at most one call is returned."""
+
+
+def requested_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's own output constraint and its field; a malformed one is a 400 naming the field."""
+    try:
+        return body.structured_outputs_params()
+    except ConstraintError as error:
+        raise RequestError(400, str(error), param=error.field) from error
 
 
 def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
@@ -65,7 +73,7 @@ def plan_tool_calls(body: ChatCompletionRequest, parser_name: str | None, auto_t
         raise RequestError(400, "tools: each function name must be unique.", param="tools")
     if choice == "none":
         return ToolCallPlan()
-    has_constraint = body.structured_outputs_params()[0] is not None
+    has_constraint = requested_constraint(body)[0] is not None
     max_calls = 1 if body.parallel_tool_calls is False else None
     if choice == "auto":
         if not (auto_tool_choice and parser_name):
