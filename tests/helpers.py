@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -173,3 +175,41 @@ def serve_apps(serve_port: int) -> Iterator[Callable[[AppConfig], str]]:
     finally:
         for app_name in reversed(app_names):
             serve.delete(app_name)
+
+
+# A template that renders the tools, an assistant's calls and a tool message's id (the tiny model's own ignores them).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }} "
+    "{{ call.function.arguments | tojson }}</tool_call>{% endfor %}"
+    "{% if message.tool_call_id %}[{{ message.tool_call_id }}] {% endif %}"
+    "{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_abc123",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1, "metric": true}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_abc123", "content": "sunny"},
+]
+
+
+def with_tools_template(model_dir: Path, dest: Path) -> Path:
+    """A copy of the tiny model at `dest` with TOOLS_TEMPLATE as the chat template of its tokenizer_config.json."""
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(model_dir / name, dest / name)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = TOOLS_TEMPLATE
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return dest

@@ -16,7 +16,7 @@ import torch
 
 from configs.sampling_params import SamplingParams, StructuredOutputsParams
 from model_executor.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask, apply_bitmask
-from tests.helpers import assert_no_leaked_blocks
+from tests.helpers import HISTORY, assert_no_leaked_blocks, with_tools_template
 
 SPECULATIVE = {"num_speculative_tokens": 3, "disable_by_batch_size": None}
 PROMPTS = [f"Record {index}: the entry reads" for index in range(16)]
@@ -359,8 +359,8 @@ def test_prefix_cache_hits_give_the_same_constrained_tokens(tiny_llm, make_llm, 
     assert_no_leaked_blocks(tiny_llm)
 
 
-def test_tensor_parallel_gives_the_same_constrained_tokens(ray_cluster, tiny_llm, tiny_model_dir):
-    """Only TP rank 0 holds matchers; rank 1 learns the tokens from the plans."""
+def test_tensor_and_pipeline_parallel_give_the_same_constrained_tokens(ray_cluster, tiny_llm, tiny_model_dir):
+    """Only the last stage's TP rank 0 holds matchers; the other three ranks learn the tokens from the plans."""
     from executor import LLM
 
     params = mixed_constraints()[:4]
@@ -371,6 +371,7 @@ def test_tensor_parallel_gives_the_same_constrained_tokens(ray_cluster, tiny_llm
         show_progress=False,
         num_kv_blocks=128,
         tensor_parallel_size=2,
+        pipeline_parallel_size=2,
         worker_num_cpus=0.5,
         num_threads=1,
     )
@@ -498,3 +499,18 @@ def test_smollm2_chat_answer_validates_against_the_schema(smollm2_llm):
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), schema)
     assert_no_leaked_blocks(smollm2_llm)
+
+
+def test_offline_chat_shows_the_tools_and_the_call_history_to_the_template(tiny_model_dir, tmp_path, make_llm):
+    """llm.chat(messages, tools=...) renders the tools, and an assistant's JSON-text arguments reach the template as
+    an object (not a string encoded twice)."""
+    llm = make_llm(with_tools_template(tiny_model_dir, tmp_path))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    prompt = llm.get_tokenizer().decode(llm.apply_chat_template(HISTORY, tools=tools))
+    assert "Tools: get_weather" in prompt
+    assert '<tool_call>get_weather {"city": "Paris", "days": 1, "metric": true}</tool_call>' in prompt
+    assert "[call_abc123] sunny" in prompt
+    assert "Tools:" not in llm.get_tokenizer().decode(llm.apply_chat_template(HISTORY))
+    params = constrained(max_tokens=8, regex="[a-z]{3}")
+    (output,) = llm.chat(HISTORY, params, use_tqdm=False, tools=tools)
+    assert re.fullmatch("[a-z]{3}", output.outputs[0].text)

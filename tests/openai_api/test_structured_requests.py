@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from configs.app_config import AppConfig
+from tests.helpers import HISTORY, with_tools_template
 from tests.openai_api.common import (
     CHAT,
     MODEL,
@@ -418,44 +418,9 @@ def test_special_token_text_inside_tools_is_refused(http, body, param):
         assert error["param"] == param, error
 
 
-# A template that renders the tools, an assistant's calls and a tool message's id (the tiny model's own ignores them).
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
-    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }} "
-    "{{ call.function.arguments | tojson }}</tool_call>{% endfor %}"
-    "{% if message.tool_call_id %}[{{ message.tool_call_id }}] {% endif %}"
-    "{{ message.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-HISTORY = [
-    {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_abc123",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1, "metric": true}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_abc123", "content": "sunny"},
-]
-
-
 @pytest.fixture(scope="module")
 def tools_template_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with TOOLS_TEMPLATE as the chat template of its tokenizer_config.json."""
-    model_dir = tmp_path_factory.mktemp("tiny-tools-template")
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
-        shutil.copy(tiny_model_dir / name, model_dir / name)
-    tokenizer_config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = TOOLS_TEMPLATE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return model_dir
+    return with_tools_template(tiny_model_dir, tmp_path_factory.mktemp("tiny-tools-template"))
 
 
 @pytest.fixture(scope="module")
