@@ -135,6 +135,9 @@ class EngineActor:
     async def _new_core(self) -> EngineCore:
         """Workers up (in a thread: the event loop keeps answering), then their step channels opened on this loop."""
         core = await asyncio.to_thread(self._build_core)
+        loop = asyncio.get_running_loop()
+        # A compiled grammar can make a waiting request runnable while the loop sleeps.
+        core.on_grammar_ready = lambda: loop.call_soon_threadsafe(self.new_work.set)
         if self.config.runtime.transport == "socket":
             try:
                 await core.open_step_channels()
@@ -185,6 +188,12 @@ class EngineActor:
             try:
                 submitted = has_work and core.num_steps_in_flight < depth and core.submit_step()
                 if core.num_steps_in_flight < depth and submitted:
+                    continue
+                if not core.num_steps_in_flight:
+                    # Nothing could run: every request waits for its grammar to compile (which sets new_work).
+                    self.new_work.clear()
+                    if core.waits_only_for_grammars():
+                        await self.new_work.wait()
                     continue
                 outputs = await core.finish_oldest_step()
                 if not core.num_steps_in_flight and core.has_unfinished_requests():

@@ -7,11 +7,12 @@ scheduled the shared prompt, then reuse its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig
@@ -24,7 +25,7 @@ from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
 from model_executor.model_info import ModelInfo
 from model_executor.step_plan import StepPlan
-from model_executor.structured_output import check_structured_outputs
+from model_executor.structured_output import GrammarCompiler, check_structured_outputs, grammar_key
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,16 @@ class EngineCore:
         # Started on the workers, oldest first; two deep with async scheduling.
         self.steps_in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
         self.num_steps_planned_ahead = 0  # started while another step was still running
+        # Structured outputs: constraints compile here, off the step loop; the sampling rank gets each grammar once.
+        info = self.model_info
+        self.grammar_compiler = GrammarCompiler(info.model_dir, info.vocab_size, sorted(info.eos_token_ids))
+        self.grammars_shipped: set[str] = set()
+        self.grammars_evicted: list[str] = []
+        self.tokenizer_info_shipped = False
+        # Called (from the compile thread) when a grammar is ready: the scheduler actor's loop may be waiting for it.
+        self.on_grammar_ready: Callable[[], None] | None = None
+        # Finishes of requests whose grammar failed to compile, handed on with the next step's outputs.
+        self.grammar_failures: list[EngineOutput] = []
 
     @property
     def num_kv_blocks(self) -> int:
@@ -159,8 +170,11 @@ class EngineCore:
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
         params.verify_max_logprobs(self.config.model.max_logprobs)
+        grammar, key = None, None
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
+            key = grammar_key(params.structured_outputs)
+            grammar = self.grammar_compiler.submit(params.structured_outputs, self._grammar_ready)
         first_child = child_request_id(request_id, 0)
         child_ids = []
         for index in range(params.n):
@@ -170,7 +184,9 @@ class EngineCore:
                 # Each completion draws its own random stream, reproducibly.
                 child_params = dataclasses.replace(params, seed=params.seed + index)
             self.scheduler.add_request(
-                Request(child_id, prompt_token_ids, child_params, max_tokens, first_child if index else None)
+                Request(
+                    child_id, prompt_token_ids, child_params, max_tokens, first_child if index else None, grammar, key
+                )
             )
             self.sequence_owner[child_id] = (request_id, index)
             child_ids.append(child_id)
@@ -205,23 +221,78 @@ class EngineCore:
         self._forget_if_done(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.grammar_failures)
 
     def step(self) -> list[EngineOutput]:
-        plan = self.scheduler.schedule()
+        if self.waits_only_for_grammars():
+            # Nothing can run before a grammar compiles: wait for one rather than spin.
+            pending = [request.grammar for request in self.scheduler.waiting if request.waits_for_grammar]
+            concurrent.futures.wait(pending, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
+        plan = self._plan()
         result = self.executor.execute(plan)
         return self._collect(plan, result)
 
     def submit_step(self) -> bool:
-        """Plan a step and start it on the workers, behind any still running. False: with a step in flight, the
-        plan had nothing to run (what it had to tell the runner waits for the next plan)."""
+        """Plan a step and start it on the workers, behind any still running. False: the plan had nothing to run
+        (what it had to tell the runner waits for the next plan): a step is in flight, or every request waits for
+        its grammar to compile (`waits_only_for_grammars`)."""
+        self._fail_broken_grammars()
+        if not self.steps_in_flight and self.waits_only_for_grammars():
+            return False
         plan = self.scheduler.schedule()
         if self.steps_in_flight and not (plan.num_scheduled_tokens or plan.preempted_request_ids):
             self.scheduler.defer_runner_news(plan)
             return False
+        self._ship_grammars(plan)
         self.num_steps_planned_ahead += bool(self.steps_in_flight)
         self.steps_in_flight.append((plan, self.executor.submit(plan)))
         return True
+
+    def waits_only_for_grammars(self) -> bool:
+        return self.scheduler.waits_only_for_grammars()
+
+    def _plan(self) -> StepPlan:
+        self._fail_broken_grammars()
+        plan = self.scheduler.schedule()
+        self._ship_grammars(plan)
+        return plan
+
+    def _grammar_ready(self) -> None:
+        if self.on_grammar_ready is not None:
+            self.on_grammar_ready()
+
+    def _fail_broken_grammars(self) -> None:
+        """A request whose grammar failed to compile finishes as aborted (the constraint passed the check before it
+        was queued, so this is the grammar engine's own failure)."""
+        for request in list(self.scheduler.waiting):
+            grammar = request.grammar
+            if grammar is None or not grammar.done() or grammar.exception() is None:
+                continue
+            logger.error("the grammar of %s failed to compile: %s", request.request_id, grammar.exception())
+            self._record_finish(request, "abort")
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            owner = self.sequence_owner.get(request.request_id)
+            if owner is not None:
+                self.grammar_failures.append(EngineOutput(owner[0], owner[1], [], [], "abort"))
+
+    def _ship_grammars(self, plan: StepPlan) -> None:
+        """The compiled grammars the plan's new requests need that the sampling rank has not had, and the ones it
+        may forget."""
+        for new in plan.new_requests:
+            key = new.grammar_key
+            if key is None or key in self.grammars_shipped:
+                continue
+            compiled = self.scheduler.requests[new.request_id].grammar.result()
+            if not self.tokenizer_info_shipped:
+                plan.grammar_tokenizer_info = self.grammar_compiler.tokenizer_info_payload()
+                self.tokenizer_info_shipped = True
+            plan.grammars[key] = compiled.payload
+            self.grammars_shipped.add(key)
+        if plan.grammars:
+            in_use = {request.grammar_key for request in self.scheduler.requests.values()}
+            evicted = self.grammar_compiler.evict(in_use)
+            self.grammars_shipped.difference_update(evicted)
+            plan.evicted_grammars.extend(evicted)
 
     async def finish_oldest_step(self) -> list[EngineOutput]:
         """Wait for the oldest step in flight; its sampled tokens, stops and finishes as outputs."""
@@ -245,8 +316,8 @@ class EngineCore:
         metrics.increment(metrics.request_success, finished_reason=finish_reason)
 
     def _collect(self, plan, result) -> list[EngineOutput]:
-        outputs = []
-        finished_parents = set()
+        outputs, self.grammar_failures = self.grammar_failures, []
+        finished_parents = {output.request_id for output in outputs}
         now = time.monotonic()
         num_new_tokens = 0
         for update in self.scheduler.update_from_output(plan, result):
@@ -330,4 +401,5 @@ class EngineCore:
         return self.executor.placement_group_id
 
     def shutdown(self) -> None:
+        self.grammar_compiler.shutdown()
         self.executor.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 
 from configs.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "gate_request_id",
+        "grammar",
+        "grammar_key",
         "last_token_time",
         "max_next_drafts",
         "max_tokens",
@@ -61,6 +64,8 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         gate_request_id: str | None = None,
+        grammar: Future | None = None,
+        grammar_key: str | None = None,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -82,6 +87,9 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, grown lazily
         # Sibling of an n > 1 request: waits until this request has scheduled the shared prompt, then reuses it.
         self.gate_request_id = gate_request_id
+        # Structured outputs: the compile of its grammar (it waits in the queue until it is done) and the grammar's key.
+        self.grammar = grammar
+        self.grammar_key = grammar_key
         self.num_tokens_sent = 0  # tokens the model runner already knows
         # Monotonic timestamps for the latency metrics.
         self.first_scheduled_time: float | None = None
@@ -107,6 +115,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
 
     @property
     def finish_reason(self) -> str | None:

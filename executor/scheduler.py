@@ -178,6 +178,10 @@ class Scheduler:
         self._schedule_waiting(plan, token_budget)
         return plan
 
+    def waits_only_for_grammars(self) -> bool:
+        """Nothing is running and every waiting request waits for its grammar to compile."""
+        return not self.running and bool(self.waiting) and all(request.waits_for_grammar for request in self.waiting)
+
     def defer_runner_news(self, plan: StepPlan) -> None:
         """A plan that runs nothing was not sent: its finished ids go out with the next one."""
         self.finished_since_last_plan[:0] = plan.finished_request_ids
@@ -261,8 +265,9 @@ class Scheduler:
             if plan.preempted_request_ids:
                 break
             request = self.waiting[0]
-            # A preempted request whose last step is still in flight waits for that step's token too.
-            if self._is_gated(request, plan) or request.num_output_placeholders:
+            # A preempted request whose last step is still in flight waits for that step's token too; a structured
+            # request waits for its grammar.
+            if self._is_gated(request, plan) or request.num_output_placeholders or request.waits_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(
@@ -290,6 +295,7 @@ class Scheduler:
                     request.sampling_params,
                     self.kv_cache.block_ids(request.request_id),
                     num_cached,
+                    request.grammar_key,
                 )
             )
             request.num_tokens_sent = request.num_tokens

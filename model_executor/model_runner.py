@@ -19,7 +19,7 @@ from model_executor.model_loader import load_model
 from model_executor.parallel_state import ParallelContext
 from model_executor.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
-from model_executor.structured_output import GrammarCompiler, RequestGrammar, allocate_bitmask
+from model_executor.structured_output import GrammarStore, RequestGrammar, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ class ModelRunner:
         self.keeps_sampled_tokens = self.parallel.tp_size * self.parallel.pp_size == 1
         self.sampler = Sampler(model_info.eos_token_ids)
         # Structured outputs: the sampling rank alone constrains (the others learn its tokens from the plans).
-        self.grammar_compiler = (
-            GrammarCompiler(model_info.model_dir, model_info.vocab_size, sorted(model_info.eos_token_ids))
-            if self.is_driver
-            else None
-        )
+        self.grammar_store = GrammarStore() if self.is_driver else None
         self.grammars: dict[str, RequestGrammar] = {}
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a resumed request continues the same random stream.
@@ -252,10 +248,11 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
                 self.generators[new.request_id] = generator
-        spec = new.sampling_params.structured_outputs
-        if spec is not None and self.grammar_compiler is not None:
-            # Compiles while this step's forward runs; a resumed request's matcher replays what it generated.
-            self.grammars[new.request_id] = RequestGrammar(self.grammar_compiler.submit(spec), new.output_token_ids)
+        if new.grammar_key is not None and self.grammar_store is not None:
+            # A resumed (preempted) request's matcher replays what it generated.
+            self.grammars[new.request_id] = RequestGrammar(
+                self.grammar_store.get(new.grammar_key), new.output_token_ids
+            )
         token_ids = new.prompt_token_ids + new.output_token_ids
         num_prompt = len(new.prompt_token_ids)
         row = SamplingRow(new.sampling_params, token_ids[:num_prompt], token_ids[num_prompt:], generator)
@@ -264,6 +261,14 @@ class ModelRunner:
         )
 
     def _update_states(self, plan: StepPlan) -> None:
+        store = self.grammar_store
+        if store is not None:
+            # Loaded while this step's forward runs, before the first request that needs one samples.
+            if plan.grammar_tokenizer_info is not None:
+                store.load_tokenizer_info(plan.grammar_tokenizer_info)
+            for key, payload in plan.grammars.items():
+                store.add(key, payload)
+            store.evict(plan.evicted_grammars)
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
             self.generators.pop(request_id, None)

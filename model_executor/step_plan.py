@@ -18,6 +18,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    grammar_key: str | None = None
+    """Its structured-output constraint: a grammar the plan that introduced it shipped (StepPlan.grammars)."""
 
 
 @dataclass(slots=True)
@@ -43,6 +45,12 @@ class StepPlan:
     """Requests whose blocks were taken back; they come again as new requests, keeping their seed state."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """request id -> drafts it verifies this step, run after its last known token (counted in its scheduled tokens)."""
+    grammars: dict[str, str] = field(default_factory=dict)
+    """Compiled grammars the sampling rank has not had yet: key -> serialized (xgrammar)."""
+    grammar_tokenizer_info: str | None = None
+    """The serialized tokenizer description grammars are loaded with: in the plan that ships the first grammar."""
+    evicted_grammars: list[str] = field(default_factory=list)
+    """Grammars no request uses any more, which the sampling rank forgets."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -1,5 +1,7 @@
-"""Structured outputs with xgrammar: a request's constraint compiled once per distinct constraint, a matcher per
-request on the sampling rank, and the allowed-token bitmask of the whole batch applied to the logits in one op.
+"""Structured outputs with xgrammar: each distinct constraint compiled once, in a background thread of the scheduler's
+process (the request waits in the queue meanwhile, so no step waits for a compile); the compiled grammar shipped once
+to the sampling rank, which holds a matcher per request and applies the allowed-token bitmask of the whole batch to
+the logits in one op.
 
 xgrammar over llguidance by measurement (SmolLM2's 49k vocabulary, docs/perf-log/2026-11-27-structured.md): a token
 mask costs 3-9 us against llguidance's 12-33 us, and its compile (2-40 ms cold) is cached per constraint, where
@@ -8,11 +10,14 @@ llguidance rebuilds its matcher (1-2 ms) for every request.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,13 @@ logger = logging.getLogger(__name__)
 COMPACT_SEPARATORS = (", ", ": ")
 # Free whitespace allowed in one place when it is on: bounded, so a model cannot pad forever.
 MAX_WHITESPACE = 8
+# Compiled grammars kept (in the scheduler and on the sampling rank) for constraints no request uses any more.
+GRAMMAR_CACHE_SIZE = 64
+
+
+def grammar_key(spec: StructuredOutputsParams) -> str:
+    """A short name of the compiled grammar a constraint gives: equal constraints share one."""
+    return hashlib.sha256(repr(spec.key).encode()).hexdigest()[:32]
 
 
 def choice_grammar(options: Sequence[str]) -> str:
@@ -82,8 +94,17 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
         raise ValueError(f"invalid {spec.kind}: {reason}") from error
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledConstraint:
+    grammar: Any
+    """xgrammar's CompiledGrammar."""
+    payload: str
+    """Its serialized form, as the sampling rank loads it."""
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, in a background thread, once per distinct constraint (cached).
+    """The scheduler's side: compiles constraints for one tokenizer in a background thread, once per distinct
+    constraint while any request uses it (and up to GRAMMAR_CACHE_SIZE more, least recently used dropped first).
 
     The tokenizer is read on the first structured request, so engines that never see one never pay for it.
     """
@@ -95,16 +116,37 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._max_threads = max_threads
         self._compiler: Any = None
+        self._tokenizer_info: Any = None
         self._compiler_lock = threading.Lock()
-        self._compiled: dict[tuple[str, str, bool], Future] = {}
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `spec`, compiling it in the background if no earlier request had it."""
-        key = spec.key
+    def submit(self, spec: StructuredOutputsParams, on_done: Callable[[], None] | None = None) -> Future:
+        """A future of the CompiledConstraint of `spec`, compiled in the background unless a request had it."""
+        key = grammar_key(spec)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._pool.submit(self._compile, spec)
+        self._compiled.move_to_end(key)
+        if on_done is not None:
+            compiled.add_done_callback(lambda _: on_done())
         return compiled
+
+    def evict(self, keys_in_use: Iterable[str]) -> list[str]:
+        """Drop the least recently used compiled grammars no request uses, down to GRAMMAR_CACHE_SIZE; their keys."""
+        in_use = set(keys_in_use)
+        evicted = []
+        for key in list(self._compiled):
+            if len(self._compiled) <= GRAMMAR_CACHE_SIZE:
+                break
+            if key not in in_use and self._compiled[key].done():
+                del self._compiled[key]
+                evicted.append(key)
+        return evicted
+
+    def tokenizer_info_payload(self) -> str:
+        """The serialized tokenizer description the sampling rank loads grammars with."""
+        self._xgrammar_compiler()
+        return self._tokenizer_info.serialize_json()
 
     def _xgrammar_compiler(self) -> Any:
         with self._compiler_lock:
@@ -116,20 +158,58 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._max_threads)
+                self._tokenizer_info = info
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             return self._compiler
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledConstraint:
         compiler = self._xgrammar_compiler()
         if spec.kind == "json":
-            return compiler.compile_json_schema(_schema_text(spec.json), **_json_options(spec))
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', **_json_options(spec))
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.regex)
-        if spec.kind == "choice":
-            return compiler.compile_grammar(choice_grammar(spec.choice))
-        return compiler.compile_grammar(spec.grammar)
+            grammar = compiler.compile_json_schema(_schema_text(spec.json), **_json_options(spec))
+        elif spec.kind == "json_object":
+            grammar = compiler.compile_json_schema('{"type": "object"}', **_json_options(spec))
+        elif spec.kind == "regex":
+            grammar = compiler.compile_regex(spec.regex)
+        elif spec.kind == "choice":
+            grammar = compiler.compile_grammar(choice_grammar(spec.choice))
+        else:
+            grammar = compiler.compile_grammar(spec.grammar)
+        return CompiledConstraint(grammar, grammar.serialize_json())
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarStore:
+    """The sampling rank's side: the compiled grammars the scheduler shipped, loaded in a background thread while
+    the step that first needs one runs its forward."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-loader")
+        self._tokenizer_info: Future | None = None
+        self._grammars: dict[str, Future] = {}
+
+    def load_tokenizer_info(self, payload: str) -> None:
+        import xgrammar
+
+        self._tokenizer_info = self._pool.submit(xgrammar.TokenizerInfo.deserialize_json, payload)
+
+    def add(self, key: str, payload: str) -> None:
+        self._grammars[key] = self._pool.submit(self._load, payload)
+
+    def _load(self, payload: str) -> Any:
+        import xgrammar
+
+        if self._tokenizer_info is None:
+            raise RuntimeError("a grammar arrived before the tokenizer description it is read with")
+        return xgrammar.CompiledGrammar.deserialize_json(payload, self._tokenizer_info.result())
+
+    def get(self, key: str) -> Future:
+        return self._grammars[key]
+
+    def evict(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._grammars.pop(key, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -139,6 +219,7 @@ class RequestGrammar:
     """One sequence's matcher: which tokens may come next, advanced by the tokens it samples."""
 
     def __init__(self, compiled: Future, replay_token_ids: Sequence[int]):
+        """`compiled`: a future of xgrammar's CompiledGrammar."""
         self._compiled = compiled
         self._matcher: Any = None
         # Output tokens the matcher has not seen yet: a resumed (preempted) request's, or tokens sampled before its

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import uuid
+from concurrent.futures import Future
 from typing import Any
 
 import jsonschema
@@ -157,6 +159,12 @@ def reference_row(compiled: Any, prefix: list[int], vocab_size: int) -> torch.Te
     return row[0]
 
 
+def completed(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def allows(row: torch.Tensor, token_id: int) -> bool:
     return bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
 
@@ -164,8 +172,8 @@ def allows(row: torch.Tensor, token_id: int) -> bool:
 def test_drafts_fill_one_row_per_valid_prefix_and_the_matcher_rolls_back(grammar_compiler, tokenizer, tiny_llm):
     vocab_size = tiny_llm.engine.model_info.vocab_size
     token = {char: tokenizer.convert_tokens_to_ids(char) for char in "abcz1x"}
-    compiled = grammar_compiler.submit(StructuredOutputsParams(regex="ab(c|d)[0-9]{2}x")).result(timeout=60)
-    grammar = RequestGrammar(grammar_compiler.submit(StructuredOutputsParams(regex="ab(c|d)[0-9]{2}x")), [token["a"]])
+    compiled = grammar_compiler.submit(StructuredOutputsParams(regex="ab(c|d)[0-9]{2}x")).result(timeout=60).grammar
+    grammar = RequestGrammar(completed(compiled), [token["a"]])
     all_allowed = allocate_bitmask(1, vocab_size)[0]
 
     # Every draft valid: row 1 is after "a", then one row per draft prefix; row 0 (another request's) stays open.
@@ -284,7 +292,7 @@ def test_a_length_cut_leaves_a_prefix_of_valid_json(tiny_llm, grammar_compiler, 
     for completion in cut:
         assert len(completion.token_ids) == max_tokens
         # The tokens so far are a prefix the schema's grammar takes, short of its end.
-        matcher = xgrammar.GrammarMatcher(grammar_compiler.submit(params.structured_outputs).result(timeout=60))
+        matcher = xgrammar.GrammarMatcher(grammar_compiler.submit(params.structured_outputs).result(timeout=60).grammar)
         assert all(matcher.accept_token(token_id) for token_id in completion.token_ids), completion.text
         assert not matcher.is_terminated()
 
@@ -514,3 +522,32 @@ def test_offline_chat_shows_the_tools_and_the_call_history_to_the_template(tiny_
     params = constrained(max_tokens=8, regex="[a-z]{3}")
     (output,) = llm.chat(HISTORY, params, use_tqdm=False, tools=tools)
     assert re.fullmatch("[a-z]{3}", output.outputs[0].text)
+
+
+def test_a_slow_compile_holds_back_only_its_own_request(tiny_llm):
+    """A new constraint compiles in the background while its request waits in the queue: the running requests keep
+    stepping meanwhile, and the waiting one then runs constrained."""
+    engine = tiny_llm.engine
+    # Length-bounded strings make xgrammar's compile take ~1 s; a fresh property name defeats its cache.
+    name = f"field_{uuid.uuid4().hex[:8]}"
+    slow_schema = {
+        "type": "object",
+        "properties": {f"{name}_{index}": {"type": "string", "maxLength": 40} for index in range(4)},
+        "required": [f"{name}_0"],
+    }
+    engine.add_request("plain", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    engine.step()
+    params = constrained(max_tokens=300, json=slow_schema)
+    engine.add_request("constrained", PROMPTS[1], params)
+    held, running = engine.core.scheduler.requests["constrained#0"], engine.core.scheduler.requests["plain#0"]
+    tokens_before = running.num_output_tokens
+    final = {}
+    while held.waits_for_grammar:
+        final.update({output.request_id: output for output in engine.step()})
+    assert running.num_output_tokens - tokens_before >= 2
+    while engine.has_unfinished_requests():
+        final.update({output.request_id: output for output in engine.step()})
+    assert len(final["plain"].outputs[0].token_ids) == 400
+    assert final["constrained"].outputs[0].finish_reason == "stop"
+    assert_valid(final["constrained"].outputs[0].text, params)
+    assert_no_leaked_blocks(tiny_llm)
