@@ -416,7 +416,10 @@ class ModelRunner:
                 token_ids[index], logprobs[index] = token_id, entry
         else:
             hidden_greedy = hidden
-        for index, token_id in zip(greedy_index, self.greedy_screen.token_ids(hidden_greedy).tolist(), strict=True):
+        constrained = [j for j, index in enumerate(greedy_index) if rows[index].params.structured_outputs is not None]
+        greedy_bitmask = bitmask[greedy_index] if constrained else None
+        screened = self.greedy_screen.token_ids(hidden_greedy, greedy_bitmask, constrained)
+        for index, token_id in zip(greedy_index, screened.tolist(), strict=True):
             token_ids[index] = token_id
         return SamplerOutput(token_ids, logprobs)
 

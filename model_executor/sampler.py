@@ -128,11 +128,11 @@ class Sampler:
         return logits
 
     def is_plain_greedy(self, row: SamplingRow) -> bool:
-        """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits."""
+        """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits (for a row with
+        structured outputs, of those its grammar allows)."""
         params = row.params
         return (
             params.is_greedy
-            and params.structured_outputs is None
             and params.logprobs is None
             and not params.logit_bias
             and not params.needs_penalties

@@ -551,3 +551,22 @@ def test_a_slow_compile_holds_back_only_its_own_request(tiny_llm):
     assert final["constrained"].outputs[0].finish_reason == "stop"
     assert_valid(final["constrained"].outputs[0].text, params)
     assert_no_leaked_blocks(tiny_llm)
+
+
+def test_constrained_greedy_rows_go_through_the_bf16_screen_with_their_masks(tiny_model_dir, make_llm):
+    """The screen ranks only the tokens each grammar allows: the same tokens as the fp32 head, and no fallback rows
+    (a forbidden token scores a finite -1e30 in the screen, not an infinity that would send the row to the fp32
+    head)."""
+    params = [constrained(max_tokens=48, json=PERSON), constrained(regex=CODE_PATTERN), constrained(choice=CHOICES)]
+    prompts = PROMPTS[: len(params)]
+    results = {}
+    for mode in ("on", "off"):
+        llm = make_llm(tiny_model_dir, greedy_screening=mode)
+        results[mode] = token_ids_of(llm, prompts, params)
+        screen = llm.engine.core.executor.worker.runner.greedy_screen
+        if mode == "on":
+            assert screen.num_screened_rows == sum(map(len, results[mode]))
+            assert screen.num_fallback_rows == 0
+    assert results["on"] == results["off"]
+    for output, request in zip(results["on"], params):
+        assert_valid(llm.tokenizer.decode(output, skip_special_tokens=True), request)

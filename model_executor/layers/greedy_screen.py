@@ -14,6 +14,7 @@ cuda_ext/csrc/greedy_screen.cpp). A row whose candidates overflow `MAX_CANDIDATE
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +22,7 @@ import torch
 
 from model_executor.layers.linear import PACKING_BATCH_HINT
 from model_executor.sampler import greedy_tokens
+from model_executor.structured_output import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ INPUT_ROUNDING = 2.0**-6
 OUTPUT_ROUNDING = 2.0**-7
 # Added to every bound: an absolute margin for the float arithmetic of the bound itself.
 SLACK = 1e-5
+# What a token structured outputs forbid scores in the bf16 screen.
+FORBIDDEN_APPROX_LOGIT = -1e30
 # Above this many candidates a row's fp32 logits are computed in full (a flat distribution; rare when greedy).
 MAX_CANDIDATES = 256
 # Rows of random hidden states the start-up self-check puts through both heads.
@@ -87,11 +91,18 @@ class GreedyScreen:
         """bf16 [rows, vocab]: the LM head's one matmul for greedy rows."""
         return torch.ops.mkldnn._linear_pointwise(hidden.bfloat16(), self.packed_bf16, None, "none", [], "")
 
-    def token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        """int64 [rows]: the argmax of each row's fp32 logits (the first of equal maxima)."""
+    def token_ids(
+        self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None, constrained: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """int64 [rows]: the argmax of each row's fp32 logits (the first of equal maxima); for the `constrained` rows,
+        among the tokens their `bitmask` rows allow (structured outputs)."""
         hidden = hidden.float().contiguous()
+        approx = self.approx_logits(hidden)
+        if constrained:
+            # Finite, so the kernel still screens the row; far below any logit, so never a candidate.
+            apply_bitmask(approx, bitmask, constrained, FORBIDDEN_APPROX_LOGIT)
         token_ids = self.ops.screened_greedy(
-            self.approx_logits(hidden),
+            approx,
             hidden,
             self.weight,
             self.row_norms,
@@ -104,6 +115,10 @@ class GreedyScreen:
         if fallback.numel():
             full = torch.empty(fallback.numel(), self.weight.shape[0])
             self.ops.linear_tokens(full, hidden.index_select(0, fallback), self.weight)
+            if constrained:
+                fallback_rows, constrained_rows = fallback.tolist(), set(constrained)
+                masked = [position for position, row in enumerate(fallback_rows) if row in constrained_rows]
+                apply_bitmask(full, bitmask[fallback_rows], masked)
             token_ids[fallback] = greedy_tokens(full)
         self.num_screened_rows += hidden.shape[0] - fallback.numel()
         self.num_fallback_rows += fallback.numel()
