@@ -55,6 +55,9 @@ from serve_app.validation import PromptLengthLimit, RequestError, check_model, p
 
 logger = logging.getLogger(__name__)
 
+# Characters of each of a request's tags (user, metadata) written to the log.
+MAX_LOGGED_TAG_CHARS = 256
+
 
 def generation_defaults(engine_config: EngineConfig) -> dict[str, Any]:
     """The sampling defaults a request inherits for the fields it omits (model.generation_config)."""
@@ -402,11 +405,18 @@ class OpenAIServing:
 
 
 def log_request_tags(request_id: str, body: SamplingFields) -> None:
-    """The caller's own tags for a request (OpenAI's user, safety_identifier, metadata), in the server's log."""
+    """The caller's own tags for a request (OpenAI's user, safety_identifier, metadata), in the server's log, each
+    cut to MAX_LOGGED_TAG_CHARS (a client can send megabytes in `user`)."""
     tags = {name: getattr(body, name, None) for name in ("user", "safety_identifier", "metadata")}
-    tags = {name: value for name, value in tags.items() if value is not None}
-    if tags:
-        logger.info("request %s: %s", request_id, tags)
+    shown = {name: _shortened(str(value)) for name, value in tags.items() if value is not None}
+    if shown:
+        logger.info("request %s: %s", request_id, shown)
+
+
+def _shortened(text: str) -> str:
+    if len(text) <= MAX_LOGGED_TAG_CHARS:
+        return text
+    return f"{text[:MAX_LOGGED_TAG_CHARS]}... ({len(text)} characters)"
 
 
 def assistant_message(text: str, finish_reason: str | None, plan: ToolCallPlan) -> tuple[AssistantMessage, str | None]:

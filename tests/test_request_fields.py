@@ -298,3 +298,23 @@ def test_markdown_table_lists_every_refused_field_with_its_endpoints():
 def test_readme_carries_the_current_refused_fields_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert refused_fields_markdown() in readme
+
+
+def test_user_safety_identifier_and_metadata_go_to_the_request_log_line_cut_short(caplog):
+    from serve_app.protocol import ChatCompletionRequest
+    from serve_app.serving import MAX_LOGGED_TAG_CHARS, log_request_tags
+
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "user": "u" * (4 * MAX_LOGGED_TAG_CHARS),
+            "safety_identifier": "person-7",
+            "metadata": {"team": "search"},
+        }
+    )
+    with caplog.at_level(logging.INFO, logger="serve_app.serving"):
+        log_request_tags("chatcmpl-1", body)
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert "chatcmpl-1" in line and "person-7" in line and "search" in line
+    assert f"({4 * MAX_LOGGED_TAG_CHARS} characters)" in line and len(line) < 2 * MAX_LOGGED_TAG_CHARS
