@@ -3,9 +3,8 @@ process (the request waits in the queue meanwhile, so no step waits for a compil
 to the sampling rank, which holds a matcher per request and applies the allowed-token bitmask of the whole batch to
 the logits in one op.
 
-xgrammar over llguidance by measurement (SmolLM2's 49k vocabulary, docs/perf-log/2026-11-27-structured.md): a token
-mask costs 3-9 us against llguidance's 12-33 us, and its compile (2-40 ms cold) is cached per constraint, where
-llguidance rebuilds its matcher (1-2 ms) for every request.
+xgrammar over llguidance by measurement (docs/perf-log/2026-11-27.md): its per-token mask, paid every step for every
+constrained row, is the cheaper one, and its compile is cached per constraint.
 """
 
 from __future__ import annotations
