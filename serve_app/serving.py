@@ -127,7 +127,7 @@ class OpenAIServing:
             raise RequestError(400, f"token id {bad[0]} is out of the vocabulary (size {vocab_size}).", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
-    def _sampling_params(
+    async def _sampling_params(
         self,
         body: SamplingFields,
         max_tokens: int | None,
@@ -136,7 +136,8 @@ class OpenAIServing:
         tool_plan: ToolCallPlan | None = None,
     ) -> SamplingParams:
         """`logprobs_param`: the request's name for `logprobs`, for the error. The output constraint is the
-        request's own, or the one its tool_choice implies (`tool_plan`)."""
+        request's own, or the one its tool_choice implies (`tool_plan`), checked off the event loop (a schema's
+        first check builds its grammar)."""
         settings = self.settings
         if body.n > settings.max_n:
             raise RequestError(400, f"n must be at most {settings.max_n}, got {body.n}.", param="n")
@@ -148,7 +149,7 @@ class OpenAIServing:
             )
         if body.stream_options is not None and not body.stream:
             raise RequestError(400, "stream_options can only be set when stream is true.", param="stream_options")
-        constraint = self._output_constraint(body, tool_plan)
+        constraint = await self._tokenizing(self._output_constraint, body, tool_plan)
         try:
             params = body.sampling_params(max_tokens, logprobs, self.generation_defaults, constraint)
         except ValueError as error:
@@ -228,7 +229,7 @@ class OpenAIServing:
             raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
         # Without a model default: left out is OpenAI's 16 (body.max_tokens), null is up to the context.
         max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), body.max_tokens)
-        params = self._sampling_params(body, max_tokens, body.logprobs, "logprobs")
+        params = await self._sampling_params(body, max_tokens, body.logprobs, "logprobs")
         prompts = await self._completion_prompts(body.prompt)
         params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
         self._validate_prompts(prompts, params_per_prompt)
@@ -320,7 +321,7 @@ class OpenAIServing:
         )
         max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, logprobs, "top_logprobs", tool_plan)
+        params = await self._sampling_params(body, max_tokens, logprobs, "top_logprobs", tool_plan)
         prompts: list[Prompt] = [(None, prompt_token_ids)]
         params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
         self._validate_prompts(prompts, params_per_prompt)
