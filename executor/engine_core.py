@@ -138,7 +138,6 @@ class EngineCore:
         info = self.model_info
         self.grammar_compiler = GrammarCompiler(info.model_dir, info.vocab_size, sorted(info.eos_token_ids))
         self.grammars_shipped: set[str] = set()
-        self.grammars_evicted: list[str] = []
         self.tokenizer_info_shipped = False
         # Called (from the compile thread) when a grammar is ready: the scheduler actor's loop may be waiting for it.
         self.on_grammar_ready: Callable[[], None] | None = None
