@@ -92,8 +92,15 @@ def start_ray(config: AppConfig) -> bool:
             config.serve.port + 1,
         )
     # Ray resources are logical: an embedded Ray gets enough CPUs for every worker; torch threads are set apart.
+    from serve_app.engines import max_engine_replicas
+
     ingress_cpus = config.serve.ingress_num_cpus * config.serve.ingress_replicas
-    ray.init(num_cpus=embedded_ray_num_cpus(config.parallel, ingress_cpus), include_dashboard=False)
+    # Every model's engines at their most, beyond the one engine embedded_ray_num_cpus counts itself.
+    engine_cpus = sum(
+        app.parallel.worker_num_cpus * app.parallel.world_size * max_engine_replicas(app) for app in config.model_apps()
+    )
+    other_cpus = ingress_cpus + engine_cpus - config.parallel.worker_num_cpus * config.parallel.world_size
+    ray.init(num_cpus=embedded_ray_num_cpus(config.parallel, other_cpus), include_dashboard=False)
     return True
 
 
@@ -120,18 +127,10 @@ def deploy(config: AppConfig, blocking: bool = False) -> str:
 
 
 def engine_actors(config: AppConfig) -> list[Any]:
-    """The application's scheduler actors that exist now."""
-    import ray
+    """The application's scheduler actors that exist now, of every model."""
+    from serve_app.engines import existing_engines
 
-    from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
-
-    engines = []
-    for index in range(config.serve.engine_replicas):
-        try:
-            engines.append(ray.get_actor(engine_actor_name(config.serve.app_name, index), namespace=ENGINE_NAMESPACE))
-        except ValueError:
-            continue
-    return engines
+    return existing_engines(config, config.serve.app_name)
 
 
 def drain(config: AppConfig, grace_s: float, hurry: threading.Event | None = None) -> dict[str, int]:

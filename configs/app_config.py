@@ -7,12 +7,42 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model, model_validator
 
 from configs.engine_config import ENGINE_SECTIONS, VLLM_KEYWORD_ALIASES, EngineConfig, section_of_key
-from configs.sections import Section
+from configs.sections import ModelConfig, Section
 
 CONFIG_DIR = Path(__file__).parent
+
+
+class EngineAutoscalingConfig(Section):
+    """Engine replicas that follow load, in Ray Serve's autoscaling_config names: the count targets
+    `ongoing requests / target_ongoing_requests`, held for the delays before it moves."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas; 0 scales to zero when idle.")
+    max_replicas: int = Field(1, ge=1, description="Most engine replicas.")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Engine replicas started with the app; defaults to min_replicas."
+    )
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="Requests in flight per engine replica (running, waiting or queued) to aim for."
+    )
+    upscale_delay_s: float = Field(5.0, ge=0, description="How long the load must ask for more replicas first.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="How long the load must ask for fewer replicas first.")
+    downscale_to_zero_delay_s: float | None = Field(
+        None,
+        ge=0,
+        description="Idle time before the last replica stops (min_replicas 0); defaults to downscale_delay_s.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> EngineAutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} is above max_replicas {self.max_replicas}")
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(f"initial_replicas {initial} is outside [{self.min_replicas}, {self.max_replicas}]")
+        return self
 
 
 class ServeConfig(Section):
@@ -44,6 +74,11 @@ class ServeConfig(Section):
     max_n: int = Field(64, ge=1, description="Largest n (completions per prompt) a request may ask for.")
     max_logit_bias_entries: int = Field(300, ge=1, description="Most logit_bias entries per request.")
     engine_replicas: int = Field(1, ge=1, description="Engine replicas (scheduler actor + workers) behind the ingress.")
+    engine_autoscaling: EngineAutoscalingConfig | None = Field(
+        None,
+        description="Engine replicas that follow load between min_replicas and max_replicas (replaces "
+        "engine_replicas).",
+    )
     routing: Literal["least_loaded", "prefix"] = Field(
         "least_loaded", description="How the ingress spreads requests over engine replicas."
     )
@@ -89,10 +124,64 @@ class ServeConfig(Section):
         return owns_ray and single_replica and self.port < 65535
 
 
+class _ModelEntryBase(Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _model_as_name(cls, values: Any) -> Any:
+        # `model: DIR` is model.name, as at the top level.
+        if isinstance(values, dict) and isinstance(values.get("model"), str | Path):
+            values = {**values, "model": {"name": str(values["model"])}}
+        return values
+
+
+# One model of a multi-model app (Ray Serve LLM's `llm_configs` entry): its `model` section and any of the other engine
+# sections it sets differently from the app's own, and its engine replica count.
+ModelEntry = create_model(
+    "ModelEntry",
+    __base__=_ModelEntryBase,
+    model=(ModelConfig, ...),
+    engine_replicas=(int | None, Field(None, ge=1)),
+    engine_autoscaling=(EngineAutoscalingConfig | None, None),
+    **{name: (section | None, None) for name, section in ENGINE_SECTIONS.items() if name != "model"},
+)
+
+
 class AppConfig(EngineConfig):
-    """The engine's sections plus `serve`; like the engine's keys, `serve`'s may be given flat (`api_key=...`)."""
+    """The engine's sections plus `serve`; like the engine's keys, `serve`'s may be given flat (`api_key=...`).
+
+    `models` serves several models behind one /v1: each entry's sections override the app's own, section by
+    section (the app's sections are the entries' defaults)."""
 
     serve: ServeConfig = ServeConfig()
+    models: list[ModelEntry] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1, description="Several models behind one /v1, each with its own engines."
+    )
+
+    @model_validator(mode="after")
+    def _served_names_unique(self) -> AppConfig:
+        names = [app.model_name for app in self.model_apps()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"models: served model names must differ; {repeated} repeat (set served_model_name)")
+        return self
+
+    def model_apps(self) -> list[AppConfig]:
+        """One single-model config per served model: the entry's sections over the app's, the entry's engine count."""
+        if not self.models:
+            return [self]
+        apps = []
+        for entry in self.models:
+            sections = {}
+            for name in ENGINE_SECTIONS:
+                base = getattr(self, name).model_dump(exclude_unset=True)
+                override = getattr(entry, name)
+                sections[name] = {**base, **(override.model_dump(exclude_unset=True) if override else {})}
+            serve_updates = {
+                key: getattr(entry, key) for key in ("engine_replicas", "engine_autoscaling") if getattr(entry, key)
+            }
+            serve = self.serve.model_copy(update=serve_updates)
+            apps.append(AppConfig.model_validate({**sections, "serve": serve}))
+        return apps
 
     @model_validator(mode="before")
     @classmethod

@@ -32,7 +32,8 @@ from executor.output_processor import OutputProcessor
 from model_executor.model_fetch import resolve_configured_model
 from serve_app.engine_client import EngineClient
 from serve_app.engine_router import EngineRouter, merge_expositions
-from serve_app.engines import attach_engines, detach_engines, engine_creators
+from serve_app.engine_sets import AutoscaledEngines, StaticEngines, replica_exposition
+from serve_app.engines import engine_groups
 from serve_app.http_guard import GuardError, HttpGuard
 from serve_app.protocol import (
     ChatCompletionRequest,
@@ -93,33 +94,49 @@ class ReleasingStreamingResponse(StreamingResponse):
             self.release()
 
 
+class ServedModel:
+    """One model the ingress serves: its tokenizer, its engine replicas (fixed or autoscaled) and the OpenAI
+    handlers over them."""
+
+    def __init__(self, config: AppConfig, group: str, tokenizer_thread: ThreadPoolExecutor):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        settings = config.serve
+        self.name = config.engine_config().model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_configured_model(config.model, weights=False))
+        if settings.engine_autoscaling is not None:
+            self.engines: StaticEngines | AutoscaledEngines = AutoscaledEngines(
+                config, group, settings.request_timeout_s
+            )
+        else:
+            self.engines = StaticEngines(config, group)
+        self.engine_info = self.engines.engine_info
+        self.processor = OutputProcessor(self.tokenizer)
+        router = EngineRouter(self.engines, settings.routing, settings.routing_prefix_tokens)
+        self.runner = RequestRunner(router, self.processor, settings.request_timeout_s)
+        self.serving = OpenAIServing(
+            self.name, self.tokenizer, self.engine_info, settings, self.runner, tokenizer_thread
+        )
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, created=now(), max_model_len=self.engine_info.max_model_len)
+
+
 class OpenAIIngress:
-    """One ingress replica: speaks HTTP and text; the scheduler actor deals in token ids only."""
+    """One ingress replica: speaks HTTP and text; the scheduler actors deal in token ids only."""
 
     def __init__(self, app_config: dict[str, Any]):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        from transformers import AutoTokenizer
-
         self.config = AppConfig.model_validate(app_config)
         # Serve's name for this application, whoever deployed it (serve run/deploy, KubeRay, pagedserve serve).
         self.app_name = serve.get_replica_context().app_name
-        settings = self.config.serve
-        engine_config = self.config.engine_config()
-        self.model_name = engine_config.model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_configured_model(self.config.model, weights=False))
-        self.clients = [
-            EngineClient(create(), create, engine_config.runtime.transport)
-            for create in engine_creators(self.config, self.app_name)
-        ]
-        self.engine_info = attach_engines(self.clients, engine_config)
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self.processor = OutputProcessor(self.tokenizer)
-        router = EngineRouter(self.clients, settings.routing, settings.routing_prefix_tokens)
-        self.runner = RequestRunner(router, self.processor, settings.request_timeout_s)
-        self.serving = OpenAIServing(
-            self.model_name, self.tokenizer, self.engine_info, settings, self.runner, self.tokenizer_thread
-        )
-        self.guard = HttpGuard(settings)
+        self.models: dict[str, ServedModel] = {}
+        for group, model_config in engine_groups(self.config, self.app_name):
+            served = ServedModel(model_config, group, self.tokenizer_thread)
+            self.models[served.name] = served
+        self.guard = HttpGuard(self.config.serve)
         self.routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
@@ -131,17 +148,36 @@ class OpenAIIngress:
             ("POST", "/detokenize"): self.detokenize,
         }
         freeze_startup_heap("ingress replica")
-        logger.info(
-            "ingress of application %s ready for model %s (%s)", self.app_name, self.model_name, self.engine_info
-        )
+        for served in self.models.values():
+            logger.info(
+                "ingress of application %s ready for model %s (%s)", self.app_name, served.name, served.engine_info
+            )
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica gracefully (delete, scale-down, redeploy, shutdown) after
         its requests drained."""
         # A replica whose __init__ failed half-way has less to release.
-        await detach_engines(getattr(self, "clients", []))
+        for served in getattr(self, "models", {}).values():
+            await served.engines.close()
         if hasattr(self, "tokenizer_thread"):
             self.tokenizer_thread.shutdown(wait=False)
+
+    def served_model(self, requested: str | None) -> ServedModel:
+        """The model a request names; with one model served, a request naming none (or another, refused later by
+        its handler with the single model's 404) goes to it."""
+        if len(self.models) == 1:
+            return next(iter(self.models.values()))
+        if requested is None:
+            raise RequestError(400, f"model is required: this server serves {list(self.models)}", param="model")
+        served = self.models.get(requested)
+        if served is None:
+            raise RequestError(
+                404,
+                f"The model `{requested}` does not exist; this server serves {list(self.models)}.",
+                "NotFoundError",
+                "model",
+            )
+        return served
 
     @staticmethod
     def route_path(request: Request) -> str:
@@ -184,37 +220,44 @@ class OpenAIIngress:
         Same validation, engine path and error shapes as over HTTP, without an HTTP hop.
         """
         handlers = {
-            "/v1/completions": (CompletionRequest, self.serving.complete),
-            "/v1/chat/completions": (ChatCompletionRequest, self.serving.chat),
+            "/v1/completions": (CompletionRequest, "complete"),
+            "/v1/chat/completions": (ChatCompletionRequest, "chat"),
         }
         try:
             if route not in handlers:
                 raise RequestError(404, f"batch requests go to {sorted(handlers)}, not {route!r}", "NotFoundError")
-            model, handler = handlers[route]
+            model, handler_name = handlers[route]
             body = validate_payload(model, payload)
             if body.stream:
                 raise RequestError(400, "stream is not supported in batch requests.", param="stream")
-            response = self._respond(await handler(body))
+            served = self.served_model(body.model)
+            response = self._respond(await getattr(served.serving, handler_name)(body), served)
         except (RequestError, *ENGINE_ERRORS) as error:
             response = error_response(error)
         return response.status_code, json.loads(response.body)
 
+    def _all_clients(self) -> list[EngineClient]:
+        return [client for served in self.models.values() for client in served.engines.all_clients()]
+
     async def request_state(self) -> dict[str, int]:
         """Per-request state this replica holds, all zero when idle, and its memory (soak leak checks)."""
+        clients = self._all_clients()
         return {
-            "detokenizers": len(self.processor.requests),
-            "output_queues": sum(client.num_in_flight for client in self.clients),
-            "pending_aborts": sum(len(client.pending_aborts) for client in self.clients),
+            "detokenizers": sum(len(served.processor.requests) for served in self.models.values()),
+            "output_queues": sum(client.num_in_flight for client in clients),
+            "pending_aborts": sum(len(client.pending_aborts) for client in clients),
             "rss_bytes": process_rss_bytes(),
         }
 
     async def check_health(self) -> None:
         """Ray Serve calls this; raising marks the replica unhealthy so Serve replaces it. A scheduler actor that is
         rebuilding its workers, or that this replica is replacing, does not count (its /health says 503 meanwhile)."""
-        await asyncio.gather(*(client.ping() for client in self.clients))
+        for served in self.models.values():
+            served.engines.ensure_running()
+        await asyncio.gather(*(client.ping() for client in self._all_clients()))
 
     async def _check_engines(self) -> None:
-        await asyncio.gather(*(client.check_health() for client in self.clients))
+        await asyncio.gather(*(client.check_health() for client in self._all_clients()))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -225,15 +268,17 @@ class OpenAIIngress:
         return Response(status_code=200)
 
     async def list_models(self, request: Request) -> Response:
-        card = ModelCard(id=self.model_name, created=now(), max_model_len=self.engine_info.max_model_len)
-        return self._respond(ModelList(data=[card]))
+        return self._respond(ModelList(data=[served.card() for served in self.models.values()]))
 
     async def metrics(self, request: Request) -> Response:
         results = await asyncio.gather(
-            *(client.engine.metrics_text.remote() for client in self.clients), return_exceptions=True
+            *(client.engine.metrics_text.remote() for client in self._all_clients()), return_exceptions=True
         )
         # An engine that is down drops out of the scrape; the others still report.
         expositions = [result for result in results if isinstance(result, bytes)]
+        expositions.append(
+            replica_exposition({name: served.engines.replica_counts() for name, served in self.models.items()})
+        )
         return Response(merge_expositions(expositions), media_type=CONTENT_TYPE_LATEST)
 
     async def version(self, request: Request) -> Response:
@@ -241,40 +286,44 @@ class OpenAIIngress:
 
     async def tokenize(self, request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest, self.guard)
-        return self._respond(await self.serving.tokenize(body))
+        served = self.served_model(body.model)
+        return self._respond(await served.serving.tokenize(body), served)
 
     async def detokenize(self, request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest, self.guard)
-        return self._respond(self.serving.detokenize(body))
+        served = self.served_model(body.model)
+        return self._respond(served.serving.detokenize(body), served)
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, self.guard)
-        return self._respond(await self.serving.complete(body))
+        served = self.served_model(body.model)
+        return self._respond(await served.serving.complete(body), served)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self.guard)
-        return self._respond(await self.serving.chat(body))
+        served = self.served_model(body.model)
+        return self._respond(await served.serving.chat(body), served)
 
-    def _respond(self, result: BaseModel | ChunkStream) -> Response:
+    def _respond(self, result: BaseModel | ChunkStream, served: ServedModel | None = None) -> Response:
         if isinstance(result, ChunkStream):
-            return self._stream(result)
+            return self._stream(result, served.runner)
         return JSONResponse(result.model_dump())
 
-    def _stream(self, stream: ChunkStream) -> StreamingResponse:
+    def _stream(self, stream: ChunkStream, runner: RequestRunner) -> StreamingResponse:
         """SSE: one event per chunk, an error event if the request fails midway, then `[DONE]`."""
 
         async def events() -> AsyncIterator[str]:
             try:
-                async with self.runner.deadline(), contextlib.aclosing(stream.chunks) as chunks:
+                async with runner.deadline(), contextlib.aclosing(stream.chunks) as chunks:
                     async for chunk in chunks:
                         yield sse(chunk.model_dump())
             except TimeoutError:
-                yield sse(error_status_and_body(self.runner.timeout_error())[1])
+                yield sse(error_status_and_body(runner.timeout_error())[1])
             except (RequestError, EngineDeadError) as error:
                 yield sse(error_status_and_body(error)[1])
             yield sse("[DONE]")
 
-        return ReleasingStreamingResponse(events(), functools.partial(self.runner.release, stream.submissions))
+        return ReleasingStreamingResponse(events(), functools.partial(runner.release, stream.submissions))
 
 
 def build_app(config: AppConfig | dict[str, Any] | str | Path | None = None) -> serve.Application:

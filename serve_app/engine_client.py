@@ -68,9 +68,17 @@ class EngineClient:
     if it does not exist; it is called again when the actor is found dead.
     """
 
-    def __init__(self, engine: Any, create_engine: Callable[[], Any] | None = None, transport: str = "socket"):
-        """`transport`: the engine's (EngineConfig.transport): outputs over a socket, or a Ray streaming generator."""
+    def __init__(
+        self,
+        engine: Any,
+        create_engine: Callable[[], Any] | None = None,
+        transport: str = "socket",
+        replica_index: int = 0,
+    ):
+        """`transport`: the engine's (EngineConfig.transport): outputs over a socket, or a Ray streaming generator.
+        `replica_index`: the engine replica's index in its group (what prefix routing hashes to)."""
         self.engine = engine
+        self.replica_index = replica_index
         self.create_engine = create_engine
         self.transport = transport
         self.output_channel: OutputChannel | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 from serve_app.engine_client import EngineClient
 
@@ -14,21 +15,42 @@ def prefix_key(prompt_token_ids: Sequence[int], prefix_tokens: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def prefix_owner(key: int, replica_indices: Sequence[int]) -> int:
+    """The replica index that owns a prefix key: rendezvous hashing, so when replicas come and go only the prefixes
+    of those replicas move."""
+
+    def weight(index: int) -> bytes:
+        return hashlib.blake2b(key.to_bytes(8, "little") + index.to_bytes(4, "little"), digest_size=8).digest()
+
+    return max(replica_indices, key=weight)
+
+
+class EngineSet(Protocol):
+    def routable(self) -> list[EngineClient]: ...
+
+    async def wait_for_engine(self) -> list[EngineClient]: ...
+
+
 class EngineRouter:
-    def __init__(self, clients: Sequence[EngineClient], policy: str, prefix_tokens: int):
-        self.clients = list(clients)
+    def __init__(self, engines: EngineSet, policy: str, prefix_tokens: int):
+        self.engines = engines
         self.policy = policy
         self.prefix_tokens = prefix_tokens
 
-    def pick(self, prompt_token_ids: Sequence[int]) -> EngineClient:
+    async def pick(self, prompt_token_ids: Sequence[int]) -> EngineClient:
         """least_loaded: fewest requests in flight from this ingress. prefix: the replica owning the prompt's
-        first `prefix_tokens` tokens (its prefix cache likely holds them), unless it is far busier than the rest."""
-        if len(self.clients) == 1:
-            return self.clients[0]
-        least_loaded = min(self.clients, key=lambda client: client.num_in_flight)
+        first `prefix_tokens` tokens (its prefix cache likely holds them), unless it is far busier than the rest.
+        With no replica running (scaled to zero) the request waits for one."""
+        clients = self.engines.routable() or await self.engines.wait_for_engine()
+        if len(clients) == 1:
+            return clients[0]
+        least_loaded = min(clients, key=lambda client: client.num_in_flight)
         if self.policy != "prefix" or len(prompt_token_ids) < self.prefix_tokens:
             return least_loaded
-        owner = self.clients[prefix_key(prompt_token_ids, self.prefix_tokens) % len(self.clients)]
+        owner_index = prefix_owner(
+            prefix_key(prompt_token_ids, self.prefix_tokens), [client.replica_index for client in clients]
+        )
+        owner = next(client for client in clients if client.replica_index == owner_index)
         # A hot prefix must not pile every request onto one replica.
         if owner.num_in_flight > 2 * least_loaded.num_in_flight + 8:
             return least_loaded

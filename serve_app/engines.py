@@ -33,20 +33,29 @@ ENGINE_READY_TIMEOUT_S = 600.0
 DETACH_TIMEOUT_S = 10.0
 
 
-def engine_actor_name(app_name: str, replica_index: int = 0) -> str:
-    return f"{app_name}-engine-{replica_index}"
+def engine_group(app_name: str, model_name: str | None = None) -> str:
+    """The prefix of one served model's engine actors: the app's name, plus the model's when the app serves several."""
+    if model_name is None:
+        return app_name
+    # Actor names are free text, but keep hub ids' slashes out of names operators type.
+    return f"{app_name}-{model_name.replace('/', '--')}"
 
 
-def get_or_create_engine(config: AppConfig, app_name: str, replica_index: int = 0) -> Any:
-    """A scheduler actor of the Serve application `app_name`; its first ingress replica creates it, the others find
-    it by name. Named after the Serve application, so two applications never share one.
+def engine_actor_name(group: str, replica_index: int = 0) -> str:
+    return f"{group}-engine-{replica_index}"
+
+
+def get_or_create_engine(config: AppConfig, group: str, replica_index: int = 0) -> Any:
+    """A scheduler actor of the engine group `group` (a Serve application, or one model of it); its first ingress
+    replica (or the group's autoscaler) creates it, the others find it by name. Named after the Serve application,
+    so two applications never share one.
 
     Detached, so an ingress replica's death does not take it along (its replacement re-adopts it by name) and Ray
-    removes its placement group when it ends; it ends itself when its last ingress detaches or falls silent.
+    removes its placement group when it ends; it ends itself when its last client detaches or falls silent.
     """
     engine_class = ray.remote(EngineActor)
     return engine_class.options(
-        name=engine_actor_name(app_name, replica_index),
+        name=engine_actor_name(group, replica_index),
         namespace=ENGINE_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
@@ -55,15 +64,40 @@ def get_or_create_engine(config: AppConfig, app_name: str, replica_index: int = 
     ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
-def engine_creators(config: AppConfig, app_name: str) -> list[Callable[[], Any]]:
-    """One blocking `get_or_create_engine` per engine replica of the app, for EngineClient to call again later."""
+def engine_creators(config: AppConfig, group: str) -> list[Callable[[], Any]]:
+    """One blocking `get_or_create_engine` per fixed engine replica of the group, for EngineClient to call again."""
     replicas = range(config.serve.engine_replicas)
-    return [functools.partial(get_or_create_engine, config, app_name, index) for index in replicas]
+    return [functools.partial(get_or_create_engine, config, group, index) for index in replicas]
 
 
-def engine_handle(app_name: str, replica_index: int = 0) -> Any:
-    """The running scheduler actor of an app's engine replica (raises ValueError when there is none)."""
-    return ray.get_actor(engine_actor_name(app_name, replica_index), namespace=ENGINE_NAMESPACE)
+def engine_handle(group: str, replica_index: int = 0) -> Any:
+    """The running scheduler actor of a group's engine replica (raises ValueError when there is none)."""
+    return ray.get_actor(engine_actor_name(group, replica_index), namespace=ENGINE_NAMESPACE)
+
+
+def engine_groups(config: AppConfig, app_name: str) -> list[tuple[str, AppConfig]]:
+    """(engine group, its single-model config) of every model the application serves."""
+    apps = config.model_apps()
+    if len(apps) == 1:
+        return [(engine_group(app_name), apps[0])]
+    return [(engine_group(app_name, app.model_name), app) for app in apps]
+
+
+def max_engine_replicas(config: AppConfig) -> int:
+    autoscaling = config.serve.engine_autoscaling
+    return autoscaling.max_replicas if autoscaling is not None else config.serve.engine_replicas
+
+
+def existing_engines(config: AppConfig, app_name: str) -> list[Any]:
+    """The scheduler actors of every model of the application that exist now."""
+    engines = []
+    for group, app in engine_groups(config, app_name):
+        for index in range(max_engine_replicas(app)):
+            try:
+                engines.append(engine_handle(group, index))
+            except ValueError:
+                continue
+    return engines
 
 
 def attach_engine(client: EngineClient, wanted: EngineConfig) -> EngineInfo:

@@ -45,7 +45,7 @@ class RequestRunner:
         try:
             for prompt_index, ((prompt, token_ids), prompt_params) in enumerate(zip(prompts, params_per_prompt)):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{prompt_index}"
-                client = self.router.pick(token_ids)
+                client = await self.router.pick(token_ids)
                 state = self.processor.add_request(request_id, prompt, token_ids, prompt_params)
                 submissions.append(Submission(request_id, prompt_index, client, state))
                 await client.submit(request_id, token_ids, prompt_params)

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from configs.app_config import AppConfig
-from serve_app.engine_router import merge_expositions, prefix_key
+from serve_app.engine_router import merge_expositions, prefix_key, prefix_owner
 from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 
 
@@ -68,7 +68,7 @@ def test_two_engine_replicas(deploy_app, routing):
         assert sum(per_engine.values()) >= 16 * 4
     else:
         shared = list(range(100, 140))  # longer than routing_prefix_tokens
-        owner = str(prefix_key(shared, 32) % 2)
+        owner = str(prefix_owner(prefix_key(shared, 32), [0, 1]))
         prompts = [[*shared, 500 + index] for index in range(8)]
         results = asyncio.run(send_all(f"{base}/v1", prompts))
         assert all(result["usage"]["completion_tokens"] == 4 for result in results)
