@@ -1,5 +1,6 @@
-"""What runs inside the KubeRay manifests: the RayService's serveConfigV2 as a pagedserve app, the runtime envs'
-dependencies, the RayJob's batch job and its volumes, and the Grafana dashboard's queries."""
+"""What runs inside the KubeRay manifests: the RayServices' serveConfigV2 as pagedserve apps (the hub example's
+with a hub id and autoscaling engines), the runtime envs' dependencies, the RayJob's batch job and its volumes, and
+the Grafana dashboard's queries."""
 
 from __future__ import annotations
 
@@ -15,16 +16,31 @@ import yaml
 from packaging.requirements import Requirement
 
 from configs.app_config import AppConfig
-from tests.k8s_schema import K8S, MANIFESTS, REPO, dashboard_exprs, load_documents, load_manifest, serve_config
+from tests.k8s_schema import K8S, MANIFESTS, REPO, dashboard_exprs, load_documents, load_manifest
+
+HUB_SERVICE = "rayservice-hub.yaml"
+SERVICE_FILES = [MANIFESTS["RayService"], HUB_SERVICE]
+
 
 # --- the Serve application and runtime envs ------------------------------------------------------------------
 
 
-def test_serve_config_is_a_pagedserve_app() -> None:
+def serve_config_text(file: str) -> str:
+    """The serveConfigV2 text of the RayService in k8s/`file`."""
+    (service,) = [document for document in load_documents(file) if document["kind"] == "RayService"]
+    return service["spec"]["serveConfigV2"]
+
+
+def serve_config(file: str) -> dict[str, Any]:
+    return yaml.safe_load(serve_config_text(file))
+
+
+@pytest.mark.parametrize("file", SERVICE_FILES)
+def test_serve_config_is_a_pagedserve_app(file: str) -> None:
     from ray.serve import Application
     from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-    config = serve_config()
+    config = serve_config(file)
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     # Serve's schema ignores unknown application keys; a typo would silently drop the setting.
@@ -55,17 +71,17 @@ def pinned_torch() -> str:
 
 
 def runtime_envs() -> dict[str, dict[str, Any]]:
-    return {
-        "RayService": serve_config()["applications"][0]["runtime_env"],
-        "RayJob": yaml.safe_load(load_manifest("RayJob")["spec"]["runtimeEnvYAML"]),
-    }
+    """Each manifest's runtime env, by file."""
+    envs = {file: serve_config(file)["applications"][0]["runtime_env"] for file in SERVICE_FILES}
+    envs[MANIFESTS["RayJob"]] = yaml.safe_load(load_manifest("RayJob")["spec"]["runtimeEnvYAML"])
+    return envs
 
 
-@pytest.mark.parametrize("kind", ["RayService", "RayJob"])
-def test_runtime_env_installs_the_project_dependencies(kind: str) -> None:
+@pytest.mark.parametrize("file", [*SERVICE_FILES, MANIFESTS["RayJob"]])
+def test_runtime_env_installs_the_project_dependencies(file: str) -> None:
     from ray.runtime_env import RuntimeEnv
 
-    runtime_env = runtime_envs()[kind]
+    runtime_env = runtime_envs()[file]
     parsed = RuntimeEnv(**runtime_env)  # Ray's own validation: URI scheme and suffix, pip options
     assert parsed["working_dir"].startswith("https://") and parsed["working_dir"].endswith(".zip")
     packages = {Requirement(package).name: Requirement(package) for package in parsed["pip"]["packages"]}
@@ -74,6 +90,27 @@ def test_runtime_env_installs_the_project_dependencies(kind: str) -> None:
     assert set(project_requirements()) <= set(packages), "runtime_env pip misses a pyproject dependency"
     (torch_pin,) = packages["torch"].specifier
     assert torch_pin.operator == "==" and torch_pin.version.split("+")[0] == pinned_torch()
+
+
+def test_hub_serve_config_serves_a_hub_model_with_autoscaling_engines() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    from model_executor.hub import is_hub_id
+
+    (app,) = serve_config(HUB_SERVICE)["applications"]
+    args = AppConfig.model_validate(app["args"])
+    assert is_hub_id(args.model.name), args.model.name
+    assert args.parallel.tensor_parallel_size == 2
+    engines = args.serve.engine_autoscaling
+    assert engines is not None and (engines.min_replicas, engines.max_replicas) == (1, 4)
+    # Serve reads the ingress autoscaling_config as it is: its own schema must take every key.
+    ingress = AutoscalingConfig.model_validate(args.serve.autoscaling_config)
+    assert ingress.min_replicas >= 1 and ingress.max_replicas > ingress.min_replicas
+    # serveConfigV2 is stored in the RayService in plain text: the token comes from a Secret in the pods' env, and
+    # nothing may switch the hub off.
+    env_vars = app["runtime_env"].get("env_vars", {})
+    assert not {"HF_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"} & set(env_vars), env_vars
+    assert not re.search(r"\bhf_[A-Za-z0-9]{30,}", serve_config_text(HUB_SERVICE)), "a token in serveConfigV2"
 
 
 def test_rayjob_runs_the_batch_job_into_a_persistent_volume() -> None:
