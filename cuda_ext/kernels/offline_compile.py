@@ -18,11 +18,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cuda_ext.kernels import fused_elementwise
+from cuda_ext.kernels import fused_elementwise, lora
 from cuda_ext.kernels.reshape_and_cache import reshape_and_cache_kernel
 from cuda_ext.kernels.unified_attention import INTERPRETED, make_tile_config, unified_attention_kernel
 
@@ -134,6 +135,31 @@ def compile_fused_elementwise(shape: LayerShape, arch: int = 90) -> list[triton.
     return compiled
 
 
+# (rank, batch rows) of the LoRA launches: a decode-sized batch at a small rank, a prefill-sized one at rank 64.
+LORA_LAUNCHES = ((16, 1), (64, 4096))
+
+
+def compile_lora(shape: LayerShape, arch: int = 90) -> list[triton.compiler.CompiledKernel]:
+    """The LoRA shrink and expand kernels as `cuda_ext.lora_ops` launches them for a layer of hidden size
+    num_heads * head_dim, at each of LORA_LAUNCHES."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[shape.dtype]
+    index_pointers = {name: "*i32" for name in ("sorted_rows_ptr", "slot_starts_ptr", "slot_counts_ptr")}
+    kernels = [
+        (lora.lora_shrink_kernel, lora.shrink_launch, ("x_ptr", "lora_a_ptr"), ("buffer_ptr", "scalings_ptr")),
+        (lora.lora_expand_kernel, lora.expand_launch, ("lora_b_ptr", "out_ptr"), ("buffer_ptr",)),
+    ]
+    compiled = []
+    for rank, num_rows in LORA_LAUNCHES:
+        for kernel, launch, data_pointers, fp32_pointers in kernels:
+            constexprs, options = launch(rank, num_rows, torch_dtype)
+            pointers = index_pointers | {name: f"*{shape.dtype}" for name in data_pointers}
+            pointers |= {name: "*fp32" for name in fp32_pointers}
+            signature = _signature(kernel, constexprs, pointers, ())
+            source = ASTSource(kernel, signature, constexprs)
+            compiled.append(triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options))
+    return compiled
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100) or 90 (H100)")
@@ -147,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         attention = compile_unified_attention(shape, args.arch)
         cache_write = compile_reshape_and_cache(shape, args.arch)
         elementwise = compile_fused_elementwise(shape, args.arch)
+        lora_kernels = compile_lora(shape, args.arch)
         print(
             f"sm_{args.arch} {shape}: attention shared {attention.metadata.shared} B, "
-            f"cache write shared {cache_write.metadata.shared} B, {len(elementwise)} elementwise kernels "
+            f"cache write shared {cache_write.metadata.shared} B, {len(elementwise)} elementwise kernels, "
+            f"{len(lora_kernels)} lora kernels (largest shared {max(k.metadata.shared for k in lora_kernels)} B) "
             f"({time.perf_counter() - start:.1f} s)"
         )
     return 0
