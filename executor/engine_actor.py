@@ -11,7 +11,7 @@ import contextvars
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from configs.engine_config import EngineConfig
@@ -19,7 +19,7 @@ from configs.sampling_params import SamplingParams
 from executor.client_registry import ClientRegistry
 from executor.engine_core import EngineCore, EngineOutput
 from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
-from executor.executors import RayExecutor
+from executor.executors import RayExecutor, dead_node_ids
 from executor.heap import freeze_startup_heap, thaw_heap
 from executor.output_router import OUTPUT_POLL_TIMEOUT_S, OutputRouter
 from executor.outputs import EngineInfo, EngineStats, EngineTopology
@@ -44,6 +44,9 @@ OUTPUT_STREAM_AHEAD = 2
 # An ingress with requests here reads (or polls) at least every OUTPUT_POLL_TIMEOUT_S; silent this long, it is gone:
 # abort its requests.
 REQUEST_LEASE_S = 15.0
+# How often the scheduler actor pings its workers: a worker lost with its node while the engine is idle is replaced
+# before the next request needs it.
+WORKER_WATCH_PERIOD_S = 10.0
 
 
 def background_task(coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -100,6 +103,7 @@ class EngineActor:
         self.watcher_task: asyncio.Task | None = None
         self.rebuild_task: asyncio.Task | None = None
         self.output_server_task: asyncio.Task | None = None
+        self.worker_watch_task: asyncio.Task | None = None
         self.stats_logger = LoggingStatLogger(engine_index)
         self.stats_task: asyncio.Task | None = None
         self.new_work = asyncio.Event()
@@ -111,7 +115,9 @@ class EngineActor:
 
     # Lifecycle: start, step loop, rebuild, end.
 
-    def _build_core(self) -> EngineCore:
+    def _build_core(self, on_placement_wait: Callable[[str], None] | None = None) -> EngineCore:
+        """The workers and the scheduler over them. With `on_placement_wait` (a rebuild) the workers' placement
+        waits until the cluster can place them, reporting what it waits for; without, it times out."""
         import ray
 
         # The model runs on the workers' nodes, not here: decide CUDA from what the cluster offers.
@@ -119,7 +125,11 @@ class EngineActor:
         # Config and tokenizer only: the workers fetch the weights on their nodes, at the commit read here.
         model_dir = resolve_configured_model(self.config.model, weights=False)
         model_info = load_model_info(model_dir, self.config, cuda_available=cluster_has_gpus)
-        return EngineCore(self.config, model_info, RayExecutor(self.config, model_info), self.engine_index)
+        if on_placement_wait is None:
+            executor = RayExecutor(self.config, model_info)
+        else:
+            executor = RayExecutor(self.config, model_info, None, on_placement_wait)
+        return EngineCore(self.config, model_info, executor, self.engine_index)
 
     async def _started(self) -> EngineCore:
         """Workers are created on first use, in a thread: the event loop keeps answering meanwhile. The start is
@@ -132,9 +142,9 @@ class EngineActor:
             await asyncio.shield(self.start_task)
         return self.core
 
-    async def _new_core(self) -> EngineCore:
+    async def _new_core(self, on_placement_wait: Callable[[str], None] | None = None) -> EngineCore:
         """Workers up (in a thread: the event loop keeps answering), then their step channels opened on this loop."""
-        core = await asyncio.to_thread(self._build_core)
+        core = await asyncio.to_thread(self._build_core, on_placement_wait)
         loop = asyncio.get_running_loop()
         # A compiled grammar can make a waiting request runnable while the loop sleeps.
         core.on_grammar_ready = lambda: loop.call_soon_threadsafe(self.new_work.set)
@@ -154,6 +164,7 @@ class EngineActor:
             raise
         # vLLM's periodic stats line, from a timer of its own (no work in the step loop); it follows rebuilds.
         self.stats_task = background_task(self.stats_logger.run(lambda: self.core))
+        self.worker_watch_task = background_task(self._watch_workers())
         freeze_startup_heap("scheduler actor")
 
     async def _ensure_running(self) -> None:
@@ -225,8 +236,15 @@ class EngineActor:
         self.rebuild_task = background_task(self._rebuild())
 
     async def _rebuild(self) -> None:
-        """Replace the failed workers, placement group and scheduler state; serve again when done."""
+        """Replace the failed workers, placement group and scheduler state; serve again when done. Where the
+        cluster has no room for the workers now (their node is gone), it waits until it has, the reason for the
+        outage and what the placement waits for in `dead_reason` meanwhile."""
         failed_core, self.core = self.core, None
+        failure = self.dead_reason
+        # Where the failed workers ran: the rebuild's status says once Ray declares one of those nodes dead.
+        failed_nodes = {
+            identity["node_id"] for identity in getattr(failed_core.executor, "worker_identities", []) if identity
+        } - {None}
         try:
             await asyncio.to_thread(failed_core.shutdown)
         except Exception:
@@ -234,8 +252,19 @@ class EngineActor:
         # The failed engine is frozen with the start-up heap: thawed, its cycles go at the next freeze's collect.
         del failed_core
         thaw_heap()
+        loop = asyncio.get_running_loop()
+
+        def on_placement_wait(status: str) -> None:
+            """In the build's thread: give up once this engine ends, else say what the rebuild waits for."""
+            if self.terminating or self.draining:
+                raise EngineDrainingError("the engine is ending: its rebuild stopped waiting for resources")
+            lost = sorted(node_id[:12] for node_id in failed_nodes & dead_node_ids())
+            if lost:
+                status = f"{status}; Ray reports the failed workers' node {', '.join(lost)} dead"
+            loop.call_soon_threadsafe(self._set_rebuild_status, f"{failure}; rebuilding: {status}")
+
         try:
-            self.core = await self._new_core()
+            self.core = await self._new_core(on_placement_wait)
         except Exception as error:
             self.dead_reason = f"engine rebuild failed: {short_reason(error)}"
             logger.exception("engine rebuild failed; the engine stays down")
@@ -245,6 +274,37 @@ class EngineActor:
         self.num_rebuilds += 1
         self.dead_reason = None
         logger.info("engine rebuilt (%d so far); serving again", self.num_rebuilds)
+
+    def _set_rebuild_status(self, reason: str) -> None:
+        if self.core is None and self._rebuilding():
+            self.dead_reason = reason
+
+    async def _watch_workers(self) -> None:
+        """Ping the workers every WORKER_WATCH_PERIOD_S: a lost one starts the rebuild even when no step or health
+        check would notice."""
+        while True:
+            await asyncio.sleep(WORKER_WATCH_PERIOD_S)
+            core = self.core
+            if core is None or self.draining or self.terminating or self._rebuilding():
+                continue
+            try:
+                await self._check_workers(core)
+            except EngineDeadError:
+                pass  # logged, and the rebuild started
+            except Exception:
+                logger.exception("checking the model workers failed")
+
+    async def _check_workers(self, core: EngineCore) -> None:
+        """Raises EngineDeadError when a worker is gone; the first to find it starts the rebuild."""
+        try:
+            await core.check_health()
+        except EngineDeadError as error:
+            if self.core is core and not self._rebuilding():
+                logger.error("health check found a dead worker: %s; rebuilding the engine", error)
+                if self.loop_task is not None:
+                    self.loop_task.cancel()
+                self._start_rebuild(short_reason(error))
+            raise
 
     async def _terminate(self) -> None:
         """Release the workers and placement group, then end this actor (its name frees for a new one)."""
@@ -392,16 +452,21 @@ class EngineActor:
         """Raises while the engine is down or draining; a worker found dead here starts the rebuild."""
         if self.draining:
             raise EngineDrainingError("the server is shutting down")
+        await self._check_workers(await self._started())
+
+    # LoRA adapters (the ingress loads one into every engine replica of its model).
+
+    async def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> dict:
         core = await self._started()
-        try:
-            await core.check_health()
-        except EngineDeadError as error:
-            if self.core is core and not self._rebuilding():
-                logger.error("health check found a dead worker: %s; rebuilding the engine", error)
-                if self.loop_task is not None:
-                    self.loop_task.cancel()
-                self._start_rebuild(short_reason(error))
-            raise
+        return core.add_lora(name, path, base_model_name)
+
+    async def remove_lora(self, name: str) -> bool:
+        core = await self._started()
+        return core.remove_lora(name)
+
+    async def list_loras(self) -> list[dict]:
+        core = await self._started()
+        return core.list_loras()
 
     async def stats(self) -> EngineStats:
         core = await self._started()
@@ -450,7 +515,7 @@ class EngineActor:
         return num_failed
 
     async def shutdown(self) -> None:
-        for task in (self.loop_task, self.watcher_task, self.stats_task):
+        for task in (self.loop_task, self.watcher_task, self.stats_task, self.worker_watch_task):
             if task is not None:
                 task.cancel()
         if self.output_server_task is not None and self.output_server_task.done():

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import pickle
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from configs.engine_config import EngineConfig
 from configs.sections import ParallelConfig
-from executor.errors import EngineDeadError
+from executor.errors import EngineDeadError, short_reason
 from executor.step_channel import StepChannel
 from executor.worker import ModelWorker
 from model_executor.hub import hub_environment
@@ -21,7 +25,11 @@ from model_executor.step_plan import StepPlan, StepResult
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
+# A placement still waiting says what it waits for this often (to on_placement_wait).
+PLACEMENT_POLL_S = 2.0
 HEALTH_TIMEOUT_S = 30.0
+# After a worker fails, how long to ask Ray about it (a dead actor answers at once, and so learns its node's fate).
+FAILURE_PROBE_S = 2.0
 
 
 def default_threads_per_worker(config: EngineConfig) -> int:
@@ -54,6 +62,32 @@ def start_ray_for_workers(config: EngineConfig) -> bool:
     # "local": a new Ray of our size, never a head that some `ray start` left running (set RAY_ADDRESS for that).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     return True
+
+
+def dead_node_ids() -> set[str]:
+    """Ids of the nodes Ray reports dead (a removed node, one that failed its health checks); none when Ray cannot
+    say (only error messages use this)."""
+    import ray
+
+    try:
+        return {node["NodeID"] for node in ray.nodes() if not node["Alive"]}
+    except Exception as error:
+        logger.warning("could not read Ray's node table: %s", short_reason(error))
+        return set()
+
+
+def free_resources_summary() -> str:
+    """What the cluster could still place a bundle on: its free CPUs, GPUs and custom resources, and live nodes."""
+    import ray
+
+    free = {
+        name: amount
+        for name, amount in sorted(ray.available_resources().items())
+        # A placement group's own bundles show as resources of their own: not room for another.
+        if not name.startswith(("node:", "bundle_group_")) and name not in ("memory", "object_store_memory")
+    }
+    num_alive = sum(1 for node in ray.nodes() if node["Alive"])
+    return f"free now: {free or 'nothing'} on {num_alive} live node{'s' if num_alive != 1 else ''}"
 
 
 class Executor(ABC):
@@ -110,30 +144,32 @@ class UniProcExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    """One Ray actor per (pp_rank, tp_rank) in a placement group; the plan goes to every rank each step."""
+    """One Ray actor per (pp_rank, tp_rank) in a placement group; the plan goes to every rank each step.
 
-    def __init__(self, config: EngineConfig, model_info: ModelInfo):
+    The placement group's strategy is `parallel.placement_strategy` (Ray's names: STRICT_PACK keeps every rank on
+    one node, SPREAD / STRICT_SPREAD put them on different nodes)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_info: ModelInfo,
+        placement_timeout_s: float | None = PLACEMENT_TIMEOUT_S,
+        on_placement_wait: Callable[[str], None] | None = None,
+    ):
+        """`placement_timeout_s`: how long to wait for the cluster to place the worker bundles (None: until it
+        can, e.g. a node joins). `on_placement_wait(status)` runs every PLACEMENT_POLL_S while they wait, with what
+        is missing; it may raise to give up."""
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         start_ray_for_workers(config)
         self.config = config
         self.step_channels: list[StepChannel] = []
+        # Where each worker runs (ModelWorker.identity: ranks, pid, node id and IP), in worker order.
+        self.worker_identities: list[dict[str, Any]] = []
         use_gpu = model_info.device == "cuda"
         bundle = {"CPU": config.parallel.worker_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
-        self.placement_group = placement_group(
-            [bundle] * config.world_size, strategy=config.parallel.placement_strategy
-        )
-        try:
-            ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError as error:
-            ray.util.remove_placement_group(self.placement_group)
-            raise RuntimeError(
-                f"could not reserve {config.world_size} worker bundles of {bundle} "
-                f"({config.parallel.placement_strategy}) "
-                f"within {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.available_resources()} available"
-            ) from error
+        self.placement_group = self._reserve_bundles(bundle, placement_timeout_s, on_placement_wait)
         threads = default_threads_per_worker(config)
         worker_class = ray.remote(ModelWorker)
         # A raylet on another node has its own environment: the hub's token, cache and offline switch go along.
@@ -162,17 +198,104 @@ class RayExecutor(Executor):
             self.num_kv_blocks = config.cache.num_kv_blocks or min(budget_blocks)
             ray.get([worker.allocate_kv_cache.remote(self.num_kv_blocks) for worker in self.workers])
             ray.get([worker.freeze_startup_heap.remote() for worker in self.workers])
+            self.worker_identities = ray.get([worker.identity.remote() for worker in self.workers])
         except Exception:
             self.shutdown()
             raise
         logger.info(
-            "%d model workers up (TP=%d, PP=%d, %d threads each), %d KV blocks",
+            "%d model workers up (TP=%d, PP=%d, %d threads each, %s on %d node(s)), %d KV blocks",
             config.world_size,
             config.parallel.tensor_parallel_size,
             config.parallel.pipeline_parallel_size,
             threads,
+            config.parallel.placement_strategy,
+            len({identity["node_id"] for identity in self.worker_identities}),
             self.num_kv_blocks,
         )
+
+    def _reserve_bundles(
+        self, bundle: dict[str, float], timeout_s: float | None, on_wait: Callable[[str], None] | None
+    ) -> Any:
+        """A ready placement group of one bundle per worker; removed again if the wait fails or is given up."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        world_size, strategy = self.config.world_size, self.config.parallel.placement_strategy
+        group = placement_group([bundle] * world_size, strategy=strategy)
+        demand = f"{world_size} worker bundle{'s' if world_size != 1 else ''} of {bundle} ({strategy})"
+        started = time.monotonic()
+        try:
+            while True:
+                try:
+                    ray.get(group.ready(), timeout=PLACEMENT_POLL_S)
+                    return group
+                except ray.exceptions.GetTimeoutError:
+                    waited = time.monotonic() - started
+                if timeout_s is not None and waited >= timeout_s:
+                    raise RuntimeError(
+                        f"could not reserve {demand} within {timeout_s:.0f}s; {free_resources_summary()}"
+                    )
+                if on_wait is not None:
+                    on_wait(f"waiting {waited:.0f}s for the cluster to place {demand}; {free_resources_summary()}")
+        except BaseException:
+            ray.util.remove_placement_group(group)
+            raise
+
+    def worker_label(self, index: int) -> str:
+        """`model worker pp0-tp1 on node 1a2b3c4d5e6f (10.0.0.7)`: which rank, and where it ran."""
+        tp_size = self.config.parallel.tensor_parallel_size
+        label = f"model worker pp{index // tp_size}-tp{index % tp_size}"
+        identity = self.worker_identities[index] if index < len(self.worker_identities) else {}
+        if identity.get("node_id"):
+            label += f" on node {identity['node_id'][:12]} ({identity.get('node_ip')})"
+        return label
+
+    @staticmethod
+    def _failed_ref_index(refs: Sequence[Any]) -> int | None:
+        """The first of the step's calls that has failed by now (a Ray error names no actor when its node died)."""
+        import ray
+
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception:
+                return index
+        return None
+
+    def _worker_failure(self, index: int | None, error: BaseException, lost_nodes: set[str]) -> EngineDeadError:
+        """EngineDeadError naming the failed worker and its node, first, and saying whether Ray lost that node."""
+        import ray
+
+        if isinstance(error, ray.exceptions.ActorUnavailableError):
+            # Ray's text is an RPC error; what it means: the process cannot be reached (yet not declared dead).
+            reason = "its actor is unreachable"
+        else:
+            reason = short_reason(error)
+        if index is None:
+            return EngineDeadError(f"model worker failed: {reason}")
+        node_id = (self.worker_identities[index] if index < len(self.worker_identities) else {}).get("node_id")
+        if node_id in lost_nodes:
+            tp_size = self.config.parallel.tensor_parallel_size
+            ip = self.worker_identities[index].get("node_ip")
+            return EngineDeadError(
+                f"model worker pp{index // tp_size}-tp{index % tp_size} lost with its node {node_id[:12]} ({ip}), "
+                f"which Ray reports dead: {reason}"
+            )
+        return EngineDeadError(f"{self.worker_label(index)} failed: {reason}")
+
+    async def _describe_failure(self, index: int | None, error: BaseException) -> EngineDeadError:
+        """What a failed step or health check tells the engine's users: which worker, on which node, and whether
+        the node is gone. Asks Ray briefly (FAILURE_PROBE_S at most per question)."""
+        if index is not None:
+            # A dead actor's call fails at once; the answer comes after Ray recorded why (its node died).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.workers[index].ping.remote(), FAILURE_PROBE_S)
+        lost_nodes: set[str] = set()
+        with contextlib.suppress(TimeoutError):
+            lost_nodes = await asyncio.wait_for(asyncio.to_thread(dead_node_ids), FAILURE_PROBE_S)
+        return self._worker_failure(index, error, lost_nodes)
 
     async def open_step_channels(self) -> None:
         """From now on `submit` sends each plan over a socket per worker instead of an actor call (call on the event
@@ -201,10 +324,11 @@ class RayExecutor(Executor):
 
         if self.step_channels:
             raise RuntimeError("this executor's steps go over its step channels: use submit")
+        step_refs = self._submit(plan)
         try:
-            return ray.get(self._submit(plan))[self.driver_index]
+            return ray.get(step_refs)[self.driver_index]
         except ray.exceptions.RayError as error:
-            raise EngineDeadError(f"model worker failed: {error}") from error
+            raise self._worker_failure(self._failed_ref_index(step_refs), error, dead_node_ids()) from error
 
     def submit(self, plan: StepPlan) -> asyncio.Future:
         """The workers get the step now, queued behind any step still running (a channel, or an actor, runs them
@@ -221,37 +345,56 @@ class RayExecutor(Executor):
             try:
                 return await replies[0]
             except Exception as failure:
-                raise EngineDeadError(f"model worker failed: {failure}") from failure
-        # The first failure ends the step: the other ranks may be waiting for the failed one in a collective.
-        done, _ = await asyncio.wait(replies, return_when=asyncio.FIRST_EXCEPTION)
-        failures = [reply.exception() for reply in done if reply.exception() is not None]
-        if failures:
-            raise EngineDeadError(f"model worker failed: {failures[0]}") from failures[0]
+                raise await self._describe_failure(0, failure) from failure
+        return await self._first_failure_or_result(replies)
+
+    async def _first_failure_or_result(self, replies: Sequence[asyncio.Future]) -> StepResult:
+        """The driver rank's reply, or the first failure, named: the other ranks may be waiting for the failed
+        one in a collective."""
+        done, pending = await asyncio.wait(replies, return_when=asyncio.FIRST_EXCEPTION)
+        for reply in pending:
+            # The ranks left waiting fail too once the step is abandoned: their errors are this one's echo.
+            reply.add_done_callback(lambda late: late.cancelled() or late.exception())
+        for index, reply in enumerate(replies):
+            if reply in done and reply.exception() is not None:
+                failure = reply.exception()
+                raise await self._describe_failure(index, failure) from failure
         return replies[self.driver_index].result()
 
     async def _driver_result(self, step_refs: list) -> StepResult:
-        import ray
-
-        try:
-            return (await asyncio.gather(*step_refs))[self.driver_index]
-        except ray.exceptions.RayError as error:
-            raise EngineDeadError(f"model worker failed: {error}") from error
+        return await self._first_failure_or_result([asyncio.ensure_future(ref) for ref in step_refs])
 
     def check_health(self) -> None:
         import ray
 
-        try:
-            ray.get([worker.ping.remote() for worker in self.workers], timeout=HEALTH_TIMEOUT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
-            raise EngineDeadError(f"model worker unhealthy: {error}") from error
+        pings = [worker.ping.remote() for worker in self.workers]
+        for index, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=HEALTH_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError as error:
+                raise EngineDeadError(
+                    f"{self.worker_label(index)} did not answer a health check within {HEALTH_TIMEOUT_S:.0f}s"
+                ) from error
+            except ray.exceptions.RayError as error:
+                raise self._worker_failure(index, error, dead_node_ids()) from error
 
     async def check_health_async(self) -> None:
-        import ray
-
-        try:
-            await asyncio.wait_for(asyncio.gather(*[worker.ping.remote() for worker in self.workers]), HEALTH_TIMEOUT_S)
-        except (ray.exceptions.RayError, TimeoutError) as error:
-            raise EngineDeadError(f"model worker unhealthy: {error!r}") from error
+        """Every worker answers a ping within HEALTH_TIMEOUT_S, or EngineDeadError names the first that did not."""
+        pings = [asyncio.ensure_future(worker.ping.remote()) for worker in self.workers]
+        done, pending = await asyncio.wait(pings, timeout=HEALTH_TIMEOUT_S, return_when=asyncio.FIRST_EXCEPTION)
+        for index, ping in enumerate(pings):
+            if ping in done and ping.exception() is not None:
+                for other in pending:
+                    other.cancel()
+                failure = ping.exception()
+                raise await self._describe_failure(index, failure) from failure
+        if pending:
+            index = next(index for index, ping in enumerate(pings) if ping in pending)
+            for ping in pending:
+                ping.cancel()
+            raise EngineDeadError(
+                f"{self.worker_label(index)} did not answer a health check within {HEALTH_TIMEOUT_S:.0f}s"
+            )
 
     def shutdown(self) -> None:
         import ray

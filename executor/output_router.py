@@ -162,9 +162,14 @@ class OutputRouter:
             failure = self.clients.take_lease_failure(client_id)
         if failure is not None:
             raise EngineDeadError(failure)
-        await self.engine_ready()
+        # A client with nothing in flight is not told of an outage: the failure would wait unread in its channel
+        # and reach its first request after the engine recovered.
+        idle = not self.clients.has_requests(client_id)
+        if not idle:
+            await self.engine_ready()
         if not self.client_outputs.get(client_id):
-            self.raise_if_dead()
+            if not idle:
+                self.raise_if_dead()
             # asyncio.timeout, not wait_for: this runs once per step per client, and wait_for wraps it in a task.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(OUTPUT_POLL_TIMEOUT_S):
@@ -174,7 +179,7 @@ class OutputRouter:
         """Everything queued for the client; raises EngineDeadError if there is nothing and the engine is down."""
         self.client_events[client_id].clear()
         outputs = self.client_outputs.pop(client_id, [])
-        if not outputs:
+        if not outputs and self.clients.has_requests(client_id):
             self.raise_if_dead()
         return outputs
 

@@ -65,6 +65,15 @@ def find_free_port() -> int:
         return probe.getsockname()[1]
 
 
+def current_ray_node() -> tuple[str | None, str | None]:
+    """(node id hex, node IP) of the Ray node this process runs on; (None, None) outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return None, None
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
 class ComputeThread:
     """One daemon thread that runs a worker actor's torch work, call after call.
 
@@ -181,6 +190,7 @@ class ModelWorker:
         if self.model_info.device == "cuda":
             torch.cuda.empty_cache()
             torch_bytes_before_load = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+        lora = self.config.lora
         self.runner = ModelRunner(
             self.model_info,
             self.config.cache.block_size,
@@ -194,6 +204,8 @@ class ModelWorker:
             cuda_graph_max_batch_size=min(
                 self.config.runtime.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs
             ),
+            # Adapter slots sized before the KV cache is, so they come out of its budget.
+            lora_capacity=(lora.max_loras, lora.max_lora_rank) if lora.enable_lora else None,
         )
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
@@ -267,13 +279,17 @@ class ModelWorker:
     def ping(self) -> str:
         return f"pp{self.pp_rank}-tp{self.tp_rank}"
 
-    def identity(self) -> dict[str, int]:
-        """Where this worker runs: for operators and topology tests."""
+    def identity(self) -> dict[str, int | str | None]:
+        """Where this worker runs: ranks, process, threads and its Ray node (id and IP; None in-process without
+        Ray). For operators, topology tests and errors that name a lost node."""
+        node_id, node_ip = current_ray_node()
         return {
             "pp_rank": self.pp_rank,
             "tp_rank": self.tp_rank,
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
+            "node_id": node_id,
+            "node_ip": node_ip,
         }
 
     def shutdown(self) -> None:

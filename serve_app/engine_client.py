@@ -37,7 +37,8 @@ def unwrap_ray_error(error: BaseException) -> BaseException:
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.as_instanceof_cause()
         if isinstance(cause, ValueError | EngineDeadError | EngineOverloadedError | EngineDrainingError):
-            return cause
+            # The actor's own exception: its message without Ray's remote traceback.
+            return error.cause
         return EngineDeadError(short_reason(error))
     if isinstance(error, ray.exceptions.RayActorError):
         return EngineDeadError(f"the scheduler actor died: {short_reason(error)}")

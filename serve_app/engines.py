@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from configs.app_config import AppConfig
 from executor.engine_actor import REQUEST_LEASE_S, EngineActor
@@ -61,6 +62,9 @@ def get_or_create_engine(config: AppConfig, group: str, replica_index: int = 0) 
         lifetime="detached",
         num_cpus=0,
         max_concurrency=10_000,
+        # Beside its creator (an ingress replica, or the autoscaler on the head), not wherever Ray spreads a
+        # CPU-less actor: a worker node's loss would take the scheduler along.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     ).remote(config.engine_config(), replica_index, REQUEST_LEASE_S, ENGINE_ORPHAN_TIMEOUT_S)
 
 
