@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from configs.app_config import CONFIG_DIR, AppConfig, ServeConfig, resolve_config_path
 from configs.engine_config import ENGINE_SECTIONS, VLLM_KEYWORD_ALIASES
-from configs.sections import DTYPE_ALIASES, Section
+from configs.sections import DTYPE_ALIASES, Section, parse_lora_module
 
 CONFIG_SECTIONS: dict[str, type[Section]] = {**ENGINE_SECTIONS, "serve": ServeConfig}
 
@@ -30,6 +30,10 @@ FLAG_NAMES: dict[tuple[str, str], tuple[str, ...]] = {
     ("parallel", "pipeline_parallel_size"): ("--pipeline-parallel-size", "-pp"),
     # vLLM's data parallelism is several engines behind one API server: our engine replicas.
     ("serve", "engine_replicas"): ("--num-engine-replicas",),
+}
+# Flags parsed their own way: vLLM's `--lora-modules a=/path b=/path` (or a JSON object per adapter).
+SPECIAL_FLAG_KWARGS: dict[tuple[str, str], Callable[[], dict[str, Any]]] = {
+    ("lora", "lora_modules"): lambda: {"type": _lora_module, "nargs": "+", "metavar": "NAME=PATH"},
 }
 # Other spellings a Literal key accepts (its validator maps them to ours), offered as choices.
 CHOICE_ALIASES: dict[tuple[str, str], dict[str, str]] = {("model", "dtype"): DTYPE_ALIASES}
@@ -95,6 +99,16 @@ def _string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _lora_module(text: str) -> dict[str, Any]:
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_lora_module.__name__ = "LoRA module"
+
+
 def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     def parse_or_none(text: str) -> Any:
         return None if text.strip().lower() in NONE_SPELLINGS else parse(text)
@@ -118,6 +132,9 @@ def _argument_kwargs(section: str, key: str, field: FieldInfo) -> dict[str, Any]
     """add_argument keywords for one field, by its type."""
     annotation, nullable = _strip_none(field.annotation)
     kwargs: dict[str, Any] = {"help": _help(field)}
+    special = SPECIAL_FLAG_KWARGS.get((section, key))
+    if special is not None:
+        return {**kwargs, **special()}
     if annotation is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
         return kwargs

@@ -12,6 +12,7 @@ from pydantic import BaseModel, model_validator
 from configs.sections import (
     DEFAULT_MODEL,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RuntimeConfig,
@@ -20,7 +21,7 @@ from configs.sections import (
     SpeculativeConfig,
 )
 
-__all__ = ["DEFAULT_MODEL", "EngineConfig", "SpeculativeConfig", "section_of_key"]
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "LoRAConfig", "SpeculativeConfig", "section_of_key"]
 
 ENGINE_SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
@@ -28,6 +29,7 @@ ENGINE_SECTIONS: dict[str, type[Section]] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "runtime": RuntimeConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -68,6 +70,7 @@ class EngineConfig(Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @model_validator(mode="before")
     @classmethod

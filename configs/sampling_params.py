@@ -116,6 +116,8 @@ class SamplingParams:
     model.max_logprobs, which `verify_max_logprobs` checks)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (compiled by the sampling worker)."""
+    lora_name: str | None = None
+    """The loaded LoRA adapter that serves the request (the server sets it from `model`); None: the base model."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +163,8 @@ class SamplingParams:
             fail("stop", "a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            fail("lora_name", "a non-empty string or None", self.lora_name)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             fail("logprobs", "an integer >= 0", self.logprobs)
         # torch generators take seeds in [-2**63, 2**64 - 1]; completion i of n uses seed + i.

@@ -3,6 +3,7 @@ SchedulerConfig, ParallelConfig). `EngineConfig` composes them; the app's YAML a
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Literal
 
@@ -156,6 +157,72 @@ class ParallelConfig(Section):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def parse_lora_module(text: str) -> dict[str, object]:
+    """One `--lora-modules` entry: `name=path` or a JSON object (`{"name": ..., "path": ..., "base_model_name": ...}`).
+    Raises ValueError naming what is wrong."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"LoRA module {text!r} is not valid JSON ({error.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"LoRA module {text!r} must be a JSON object")
+        return value
+    name, separator, path = text.partition("=")
+    if not separator or not name.strip() or not path.strip():
+        raise ValueError(f"LoRA module {text!r} must be NAME=PATH or a JSON object with name and path")
+    return {"name": name.strip(), "path": path.strip()}
+
+
+class LoRAModule(Section):
+    """One LoRA adapter loaded at start-up (vLLM's `--lora-modules` entry)."""
+
+    name: str = Field(..., min_length=1, description="The adapter's name: the `model` a request names to use it.")
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="Directory of a PEFT LoRA adapter (adapter_config.json and "
+        "adapter_model.safetensors), readable on every worker's node.",
+    )
+    base_model_name: str | None = Field(
+        None, description="The base model /v1/models lists as the adapter's parent; None: the served model name."
+    )
+
+
+class LoRAConfig(Section):
+    """Multi-LoRA serving (vLLM's names): PEFT LoRA adapters on top of the base model, requested by name; requests
+    for different adapters and for the base model share one batch."""
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (loaded at start or at run time).")
+    max_loras: int = Field(
+        1, ge=1, description="Most distinct adapters in one step (adapter slots on each worker); others wait."
+    )
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted (the slots are sized for it).")
+    lora_modules: list[LoRAModule] = Field(
+        default_factory=list,
+        description="Adapters loaded at start-up: NAME=PATH, or a JSON object with name, path and base_model_name.",
+    )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _name_equals_path(cls, value: object) -> object:
+        # vLLM's short form `name=path` (the CLI, a YAML list of strings) beside the object form.
+        if not isinstance(value, list):
+            return value
+        return [parse_lora_module(item) if isinstance(item, str) else item for item in value]
+
+    @model_validator(mode="after")
+    def _modules_need_lora_enabled(self) -> LoRAConfig:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        names = [module.name for module in self.lora_modules]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules names must differ; {repeated} repeat")
+        return self
 
 
 def _cpu_kernels_default() -> Literal["auto", "off"]:

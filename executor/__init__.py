@@ -3,12 +3,14 @@
 from configs.sampling_params import SamplingParams, StructuredOutputsParams
 from executor.engine import LLMEngine
 from executor.llm import LLM
+from executor.lora_request import LoRARequest
 from executor.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

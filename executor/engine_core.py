@@ -2,6 +2,9 @@
 
 A request with n > 1 becomes n sequences `"{request_id}#{index}"`; the later ones wait until the first has
 scheduled the shared prompt, then reuse its KV blocks.
+
+LoRA adapters (`add_lora`, `remove_lora`, `list_loras`) are checked and registered here; a request names one in
+`SamplingParams.lora_name`, and the scheduler ships it to the workers' slots when its first request runs.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -23,7 +27,9 @@ from executor.metrics import EngineMetrics
 from executor.outputs import CoreStats
 from executor.request import Request, RequestStatus
 from executor.scheduler import Scheduler
+from model_executor.lora import LoRAAdapter, read_lora_adapter
 from model_executor.model_info import ModelInfo
+from model_executor.models import check_architectures
 from model_executor.step_plan import StepPlan
 from model_executor.structured_output import GrammarCompiler, check_structured_outputs, grammar_key
 
@@ -143,6 +149,15 @@ class EngineCore:
         self.on_grammar_ready: Callable[[], None] | None = None
         # Finishes of requests whose grammar failed to compile, handed on with the next step's outputs.
         self.grammar_failures: list[EngineOutput] = []
+        # LoRA adapters by name; ids are never reused, so a reloaded name never hits the old adapter's cached blocks.
+        self.loras: dict[str, LoRAAdapter] = {}
+        self.lora_ids = itertools.count(1)
+        try:
+            for module in config.lora.lora_modules:
+                self.add_lora(module.name, module.path, module.base_model_name)
+        except Exception:
+            self.shutdown()
+            raise
 
     @property
     def num_kv_blocks(self) -> int:
@@ -155,6 +170,64 @@ class EngineCore:
     def has_request(self, request_id: str) -> bool:
         """Whether any completion of the request is still queued or running here."""
         return request_id in self.children
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> dict:
+        """Check a PEFT LoRA adapter directory against the base model and register it under `name` (workers load it
+        when a request first uses it). Returns what `list_loras` lists for it. Raises ValueError naming the cause:
+        LoRA not enabled, a name in use (an adapter's or the base model's), no such directory, not a LoRA adapter,
+        rank above max_lora_rank, target modules other than q/k/v/o/gate/up/down_proj, shapes of another model."""
+        lora_config = self.config.lora
+        if not lora_config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a LoRA adapter's name must be a non-empty string, got {name!r}")
+        if name in self.loras:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from {self.loras[name].path})")
+        if name in (self.config.model_name, self.config.model.name):
+            raise ValueError(f"{name!r} is the base model's name; give the LoRA adapter another")
+        hf_config = self.model_info.hf_config
+        adapter = read_lora_adapter(
+            name,
+            path,
+            hf_config,
+            check_architectures(hf_config),
+            lora_config.max_lora_rank,
+            next(self.lora_ids),
+            base_model_name,
+        )
+        self.loras[name] = adapter
+        logger.info("LoRA adapter %s registered: rank %d, %s", name, adapter.rank, ", ".join(adapter.target_modules))
+        return adapter.describe()
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter: True when it was loaded, False for an unknown name. Refused (ValueError) while any
+        request, waiting or running, uses it: abort those or wait for them first."""
+        adapter = self.loras.get(name)
+        if adapter is None:
+            return False
+        users = [request.request_id for request in self.scheduler.requests.values() if request.lora is adapter]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they finish")
+        del self.loras[name]
+        self.scheduler.lora_slots.forget(adapter.adapter_id)
+        logger.info("LoRA adapter %s unloaded", name)
+        return True
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters, in load order: name, path, rank, alpha, target_modules, base_model_name, id."""
+        return [adapter.describe() for adapter in self.loras.values()]
+
+    def _request_lora(self, params: SamplingParams) -> LoRAAdapter | None:
+        name = params.lora_name
+        if name is None:
+            return None
+        adapter = self.loras.get(name)
+        if adapter is None:
+            if not self.config.lora.enable_lora:
+                raise ValueError(f"lora_name {name!r}: LoRA adapters are not enabled on this engine (--enable-lora)")
+            loaded = ", ".join(sorted(self.loras)) or "none"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})")
+        return adapter
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Validate and queue; raises ValueError and changes nothing on bad input."""
@@ -169,6 +242,7 @@ class EngineCore:
         info = self.model_info
         max_tokens = validate_prompt(prompt_token_ids, params, info.max_model_len, info.vocab_size)
         params.verify_max_logprobs(self.config.model.max_logprobs)
+        lora = self._request_lora(params)
         grammar, key = None, None
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
@@ -184,7 +258,14 @@ class EngineCore:
                 child_params = dataclasses.replace(params, seed=params.seed + index)
             self.scheduler.add_request(
                 Request(
-                    child_id, prompt_token_ids, child_params, max_tokens, first_child if index else None, grammar, key
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    max_tokens,
+                    first_child if index else None,
+                    grammar,
+                    key,
+                    lora,
                 )
             )
             self.sequence_owner[child_id] = (request_id, index)

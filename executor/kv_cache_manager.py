@@ -18,6 +18,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(request: Request) -> int | None:
+    """The parent of a request's first block: None for the base model, the adapter's own for a LoRA request (its KV
+    differs from the base model's, so a cache hit never crosses adapters). Adapter ids are never reused."""
+    return None if request.lora is None else hash(("lora", request.lora.adapter_id))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
@@ -45,7 +51,7 @@ class KVCacheManager:
         block_size, hashes, tokens = self.block_size, request.block_hashes, request.token_ids
         while (len(hashes) + 1) * block_size <= num_tokens:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(request)
             hashes.append(hash_block(parent, tuple(tokens[index * block_size : (index + 1) * block_size])))
 
     def get_computed_blocks(self, request: Request, allow_sharing: bool = False) -> tuple[list[KVCacheBlock], int]:
@@ -60,8 +66,9 @@ class KVCacheManager:
         self._update_block_hashes(request, max_cached_tokens)
         hits: list[KVCacheBlock] = []
         tokens, block_size = request.token_ids, self.block_size
+        root = root_hash(request)
         for index, block_hash in enumerate(request.block_hashes[: max_cached_tokens // block_size]):
-            parent = request.block_hashes[index - 1] if index else None
+            parent = request.block_hashes[index - 1] if index else root
             block = self.pool.lookup(block_hash, parent, tuple(tokens[index * block_size : (index + 1) * block_size]))
             if block is None:
                 break
@@ -107,7 +114,7 @@ class KVCacheManager:
         start = self.num_registered_blocks.get(request.request_id, 0)
         tokens, block_size, hashes = request.token_ids, self.block_size, request.block_hashes
         for index in range(start, num_full):
-            parent = hashes[index - 1] if index else None
+            parent = hashes[index - 1] if index else root_hash(request)
             self.pool.register(
                 held[index], hashes[index], parent, tuple(tokens[index * block_size : (index + 1) * block_size])
             )

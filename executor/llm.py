@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -20,6 +21,7 @@ from configs.sampling_params import SamplingParams
 from executor.engine import LLMEngine
 from executor.engine_core import validate_prompt
 from executor.errors import EngineOverloadedError
+from executor.lora_request import LoRARequest
 from executor.outputs import Logprob, RequestOutput, SampleLogprobs
 from model_executor.model_info import generation_defaults
 
@@ -99,9 +101,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, {"prompt": str}, {"prompt_token_ids":
-        [ids]} or a list of token ids; `prompts` is one prompt or a list of them.
+        [ids]} or a list of token ids; `prompts` is one prompt or a list of them. `lora_request`: the LoRA adapter
+        for every prompt, or one (or None: the base model) per prompt; an adapter not loaded yet is loaded first.
 
         Raises TypeError on a prompt of another type, and ValueError naming the parameter on bad values, before any
         prompt of this call runs.
@@ -121,11 +125,58 @@ class LLM:
             )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        params_list = self._with_lora(params_list, lora_request)
         pending = [
             self._prepare(f"offline-{next(self._request_counter)}", prompt, params, default_max_tokens)
             for prompt, params in zip(prompt_list, params_list)
         ]
         return self._run_to_completion(pending, use_tqdm)
+
+    def _with_lora(
+        self, params_list: list[SamplingParams], lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[SamplingParams]:
+        """Each prompt's params naming its adapter (loaded here on first use)."""
+        if lora_request is None:
+            return params_list
+        if isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * len(params_list)
+        elif isinstance(lora_request, Sequence) and all(r is None or isinstance(r, LoRARequest) for r in lora_request):
+            requests = list(lora_request)
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        if len(requests) != len(params_list):
+            raise ValueError(f"got {len(requests)} LoRA requests for {len(params_list)} prompts")
+        for request in {request for request in requests if request is not None}:
+            self._load_lora(request)
+        return [
+            params if request is None else dataclasses.replace(params, lora_name=request.lora_name)
+            for params, request in zip(params_list, requests)
+        ]
+
+    def _load_lora(self, request: LoRARequest) -> None:
+        core = self.engine.core
+        loaded = {adapter["name"]: adapter for adapter in core.list_loras()}
+        adapter = loaded.get(request.lora_name)
+        if adapter is None:
+            core.add_lora(request.lora_name, request.lora_path, request.base_model_name)
+        elif adapter["path"] != str(Path(request.lora_path).expanduser()):
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} is loaded from {adapter['path']}, not {request.lora_path}: give "
+                "another adapter another name"
+            )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now rather than on its first request; True once it is loaded (or was already)."""
+        self._load_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter by name; False when none of that name is loaded."""
+        return self.engine.core.remove_lora(lora_name)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, path, rank, alpha, target_modules, base_model_name, id."""
+        return self.engine.core.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`); False, and nothing done, while
@@ -144,15 +195,17 @@ class LLM:
         continue_final_message: bool = False,
         use_tqdm: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate. `tools`:
-        OpenAI-shaped tool definitions the template shows the model (its calls come back as text, as in vLLM)."""
+        OpenAI-shaped tool definitions the template shows the model (its calls come back as text, as in vLLM);
+        `lora_request` as in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.apply_chat_template(conversation, add_generation_prompt, continue_final_message, tools)
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(
         self,

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from configs.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from model_executor.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Request:
         "grammar",
         "grammar_key",
         "last_token_time",
+        "lora",
         "max_next_drafts",
         "max_tokens",
         "num_computed_tokens",
@@ -66,6 +71,7 @@ class Request:
         gate_request_id: str | None = None,
         grammar: Future | None = None,
         grammar_key: str | None = None,
+        lora: LoRAAdapter | None = None,
     ):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -90,6 +96,8 @@ class Request:
         # Structured outputs: the compile of its grammar (it waits in the queue until it is done) and the grammar's key.
         self.grammar = grammar
         self.grammar_key = grammar_key
+        # The LoRA adapter that serves it (None: the base model): its KV blocks are cached under the adapter.
+        self.lora = lora
         self.num_tokens_sent = 0  # tokens the model runner already knows
         # Monotonic timestamps for the latency metrics.
         self.first_scheduled_time: float | None = None

@@ -14,6 +14,10 @@ With speculative decoding a request that has every token known and one to run ma
 n-gram drafts (`spec_token_ids` of the plan); the step returns the drafts it accepted and one more token, and the
 request's progress goes back by the drafts it rejected. A request with drafts in flight is not planned again until
 they come back: how far it got is not known before.
+
+With LoRA, a request admitted with an adapter pins that adapter's worker slot while it runs (`AdapterSlots`): a
+waiting request whose adapter would be one more than `max_loras` stays in the queue (those behind it may go first)
+until a running adapter's last request leaves. An adapter new to its slot goes to the workers in the plan.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from dataclasses import dataclass
 
 from configs.engine_config import EngineConfig, check_chunked_prefill_budget
 from executor.kv_cache_manager import KVCacheManager
+from executor.lora_slots import AdapterSlots
 from executor.ngram_proposer import propose_ngram_drafts
 from executor.request import Request, RequestStatus
-from model_executor.step_plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from model_executor.step_plan import CachedRequestData, LoRALoad, NewRequestData, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,9 @@ class Scheduler:
         # Drafts proposed and accepted, cumulative (the metrics read them).
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        lora = config.lora
+        self.lora_slots = AdapterSlots(lora.max_loras) if lora.enable_lora else None
+        self.lora_capacity = (lora.max_loras, lora.max_lora_rank)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -97,6 +105,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, keep the tokens, go back to the front of the queue."""
         self.kv_cache.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_sent = 0
@@ -270,6 +279,9 @@ class Scheduler:
             if self._is_gated(request, plan) or request.num_output_placeholders or request.waits_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
+            if request.lora is not None and not self.lora_slots.can_run(request.lora.adapter_id):
+                skipped.append(self.waiting.popleft())  # every slot is pinned by other running adapters
+                continue
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(
                 request, allow_sharing=request.gate_request_id is not None
             )
@@ -296,6 +308,7 @@ class Scheduler:
                     self.kv_cache.block_ids(request.request_id),
                     num_cached,
                     request.grammar_key,
+                    self._acquire_lora(plan, request),
                 )
             )
             request.num_tokens_sent = request.num_tokens
@@ -303,6 +316,21 @@ class Scheduler:
             token_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return token_budget
+
+    def _acquire_lora(self, plan: StepPlan, request: Request) -> int:
+        """The slot of the request's adapter, which it pins while it runs (loaded by this plan if new there)."""
+        adapter = request.lora
+        if adapter is None:
+            return -1
+        assignment = self.lora_slots.acquire(adapter.adapter_id)
+        if assignment.needs_load:
+            plan.lora_loads.append(LoRALoad(adapter.name, assignment.slot, adapter.path, adapter.scaling))
+            plan.lora_capacity = self.lora_capacity
+        return assignment.slot
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora is not None:
+            self.lora_slots.release(request.lora.adapter_id)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Append the plan's sampled tokens (placeholders until now), finish requests that hit a stop condition.
@@ -380,6 +408,7 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+            self._release_lora(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request)

@@ -9,6 +9,9 @@ model files know nothing of it beyond the class flag `supports_decode_stack`: th
 The stack runs the pre-norm Llama layer shape (`LlamaDecoderLayer`: RMSNorm, attention, RMSNorm, SwiGLU MLP) with
 optional q/k/v, o and MLP biases, one default rope table, one scale, and per layer a sliding window and per-head q/k
 RMSNorms where the built extension takes them.
+
+LoRA: the stack runs no adapters, so a decode step with any adapter row runs layer by layer (base-only steps keep
+the stack).
 """
 
 from __future__ import annotations
@@ -161,7 +164,8 @@ class DecodeStackMixin:
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens = input_ids.shape[0]
-        if self.decode_stack is None or attn_metadata.num_decodes != num_tokens:
+        lora_rows = self.lora_batch is not None and self.lora_batch.active
+        if self.decode_stack is None or attn_metadata.num_decodes != num_tokens or lora_rows:
             return super().forward(input_ids, positions, kv_caches, attn_metadata, intermediate, output_rows)
         cos, sin = self.rotary.cos_sin(positions)
         hidden_states, residual = self.stage_input(input_ids, intermediate)

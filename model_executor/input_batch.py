@@ -23,6 +23,8 @@ class RunnerRequestState:
     sampling_row: SamplingRow
     block_ids: list[int]
     num_computed_tokens: int
+    lora_slot: int = -1
+    """The adapter slot its rows use; -1: the base model."""
 
 
 @dataclass(slots=True)
@@ -43,6 +45,8 @@ class InputBatch:
     """The requests that sample this step, in row order."""
     step_drafts: list[list[int]]
     """Per sampling state: the drafts its rows verify."""
+    lora_slots: list[int] | None = None
+    """Per row, the adapter slot (-1: the base model); None when no row of the step uses an adapter."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +55,10 @@ class InputBatch:
     @property
     def has_drafts(self) -> bool:
         return any(self.step_drafts)
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_slots is not None
 
     @property
     def is_decode_only(self) -> bool:
@@ -106,11 +114,15 @@ def build_input_batch(plan: StepPlan, requests: dict[str, RunnerRequestState], b
     sample_rows: list[int] = []
     sampling_states: list[RunnerRequestState] = []
     step_drafts: list[list[int]] = []
+    lora_slots: list[int] = []
+    uses_lora = False
     for request_id, num_tokens in ordered:
         state = requests[request_id]
         start = state.num_computed_tokens
         end = start + num_tokens
         drafts = spec_token_ids.get(request_id, [])
+        lora_slots.extend([state.lora_slot] * num_tokens)  # drafts are counted in num_tokens
+        uses_lora |= state.lora_slot >= 0
         input_ids.extend(state.token_ids[start:end])
         if drafts:
             input_ids.extend(drafts)
@@ -143,4 +155,5 @@ def build_input_batch(plan: StepPlan, requests: dict[str, RunnerRequestState], b
         sample_rows,
         sampling_states,
         step_drafts,
+        lora_slots if uses_lora else None,
     )

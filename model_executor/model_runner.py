@@ -14,6 +14,7 @@ from cuda_ext.cuda_graphs import PADDING_SEQ_LEN, PADDING_SLOT, CudaGraphRunner,
 from model_executor.cpu_decode_stack import runs_decode_stack
 from model_executor.input_batch import InputBatch, RunnerRequestState, build_input_batch
 from model_executor.layers.greedy_screen import GreedyScreen
+from model_executor.lora import LoRASlots
 from model_executor.model_info import ModelInfo
 from model_executor.model_loader import load_model
 from model_executor.parallel_state import ParallelContext
@@ -39,7 +40,10 @@ class ModelRunner:
         greedy_screening: str = "auto",
         cuda_graph_max_batch_size: int = 256,
         cpu_kernels: str = "auto",
+        lora_capacity: tuple[int, int] | None = None,
     ):
+        """`lora_capacity`: (max_loras, max_lora_rank) to size the adapter slots now, before the KV cache is sized;
+        None: when the first plan that loads an adapter comes (its `lora_capacity`)."""
         self.model_info = model_info
         self.block_size = block_size
         self.device = torch.device(model_info.device)
@@ -71,6 +75,20 @@ class ModelRunner:
         self.max_blocks_per_seq = 0
         # Dummy prompts `warm_up` ran before serving (0: it did not run).
         self.num_warm_up_prompts = 0
+        # LoRA adapter slots over this shard's linear layers (None until LoRA is used or sized up front).
+        self.lora: LoRASlots | None = None
+        if lora_capacity is not None:
+            self._enable_lora(lora_capacity)
+
+    def _enable_lora(self, capacity: tuple[int, int]) -> None:
+        max_loras, max_rank = capacity
+        if self.lora is not None:
+            if (self.lora.max_loras, self.lora.max_rank) != (max_loras, max_rank):
+                sized = (self.lora.max_loras, self.lora.max_rank)
+                raise ValueError(f"LoRA slots are sized (max_loras, max_lora_rank) {sized}, not {capacity}")
+            return
+        self.lora = LoRASlots(self.model, max_loras, max_rank)
+        logger.info("LoRA: %d adapter slots of rank up to %d on %d layers", max_loras, max_rank, len(self.lora.layers))
 
     def _build_greedy_screen(self, mode: str) -> GreedyScreen | None:
         """The bf16 screen of this rank's LM head, where its argmax is the sampler's: one rank holds the whole head
@@ -257,10 +275,14 @@ class ModelRunner:
         num_prompt = len(new.prompt_token_ids)
         row = SamplingRow(new.sampling_params, token_ids[:num_prompt], token_ids[num_prompt:], generator)
         self.requests[new.request_id] = RunnerRequestState(
-            new.request_id, token_ids, num_prompt, row, list(new.block_ids), new.num_computed_tokens
+            new.request_id, token_ids, num_prompt, row, list(new.block_ids), new.num_computed_tokens, new.lora_slot
         )
 
     def _update_states(self, plan: StepPlan) -> None:
+        if plan.lora_loads:
+            self._enable_lora(plan.lora_capacity)
+            for load in plan.lora_loads:
+                self.lora.load(load.slot, load.name, load.path, load.scaling)
         store = self.grammar_store
         if store is not None:
             # Loaded while this step's forward runs, before the first request that needs one samples.
@@ -293,7 +315,11 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return StepResult()
         batch = build_input_batch(plan, self.requests, self.block_size)
-        hidden_states = self._run_model(batch)
+        try:
+            hidden_states = self._run_model(batch)
+        finally:
+            if batch.uses_lora:
+                self.lora.batch.clear()  # the next step's base-only rows skip every adapter
         if hidden_states is None or not batch.sample_rows:
             return StepResult()
         return self._sample(batch, hidden_states)
@@ -317,6 +343,8 @@ class ModelRunner:
             if len(batch.sample_rows) < batch.num_tokens
             else None
         )
+        if batch.uses_lora:
+            self.lora.batch.set_step(batch.lora_slots, output_rows if self.parallel.is_last_stage else None)
         hidden_states = self.model(
             input_ids, positions, self.kv_caches, attn_metadata, intermediate, output_rows=output_rows
         )
@@ -329,6 +357,8 @@ class ModelRunner:
         """The padded size at which a decode-only step runs through `decode_graphs`, or None to run it as it is."""
         if self.decode_graphs is None or not batch.is_decode_only:
             return None
+        if batch.uses_lora:
+            return None  # graphs hold no adapter rows: a step with any runs eagerly
         # The C++ decoder stack splits a padded step's rows between threads unless told they share sequences.
         if batch.has_drafts and self.uses_decode_stack:
             return None

@@ -20,6 +20,18 @@ class NewRequestData:
     num_computed_tokens: int
     grammar_key: str | None = None
     """Its structured-output constraint: a grammar the plan that introduced it shipped (StepPlan.grammars)."""
+    lora_slot: int = -1
+    """The adapter slot its rows use (a LoRA load of this or an earlier plan filled it); -1: the base model."""
+
+
+@dataclass(slots=True)
+class LoRALoad:
+    """An adapter every rank loads into a slot before the step runs, each reading its own slices from `path`."""
+
+    name: str
+    slot: int
+    path: str
+    scaling: float
 
 
 @dataclass(slots=True)
@@ -51,6 +63,10 @@ class StepPlan:
     """The serialized tokenizer description grammars are loaded with: in the plan that ships the first grammar."""
     evicted_grammars: list[str] = field(default_factory=list)
     """Grammars no request uses any more, which the sampling rank forgets."""
+    lora_loads: list[LoRALoad] = field(default_factory=list)
+    """Adapters loaded into slots before this step's rows run (replacing what the slots held)."""
+    lora_capacity: tuple[int, int] | None = None
+    """(max_loras, max_lora_rank) the slots are sized for: in every plan with LoRA loads."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

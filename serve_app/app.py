@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import ray
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
@@ -30,7 +31,7 @@ from executor.errors import EngineDeadError, EngineDrainingError, EngineOverload
 from executor.heap import freeze_startup_heap
 from executor.output_processor import OutputProcessor
 from model_executor.model_fetch import resolve_configured_model
-from serve_app.engine_client import EngineClient
+from serve_app.engine_client import EngineClient, unwrap_ray_error
 from serve_app.engine_router import EngineRouter, merge_expositions
 from serve_app.engine_sets import AutoscaledEngines, StaticEngines, replica_exposition
 from serve_app.engines import engine_groups
@@ -39,9 +40,11 @@ from serve_app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     error_body,
     now,
@@ -118,9 +121,67 @@ class ServedModel:
         self.serving = OpenAIServing(
             self.name, self.tokenizer, self.engine_info, settings, self.runner, tokenizer_thread
         )
+        self.lora_enabled = config.lora.enable_lora
+        if self.lora_enabled:
+            clients = self.engines.all_clients()
+            if clients:
+                self.serving.adapters = adapters_by_name(ray.get(clients[0].engine.list_loras.remote(), timeout=60))
 
-    def card(self) -> ModelCard:
-        return ModelCard(id=self.name, created=now(), max_model_len=self.engine_info.max_model_len)
+    def cards(self) -> list[ModelCard]:
+        """The model, then its LoRA adapters (parent: the model), as vLLM lists them."""
+        created, max_model_len = now(), self.engine_info.max_model_len
+        cards = [ModelCard(id=self.name, created=created, root=self.config.model.name, max_model_len=max_model_len)]
+        for name, adapter in self.serving.adapters.items():
+            cards.append(
+                ModelCard(id=name, created=created, root=adapter["path"], parent=self.name, max_model_len=max_model_len)
+            )
+        return cards
+
+    async def refresh_adapters(self) -> None:
+        """The adapters as the engines list them (another ingress replica may have loaded or unloaded one)."""
+        clients = self.engines.routable()
+        if self.lora_enabled and clients:
+            self.serving.adapters = adapters_by_name(await clients[0].engine.list_loras.remote())
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into every engine replica of the model; one refusing it (a bad adapter) undoes the
+        others and the refusal is a 400."""
+        self._require_lora()
+        clients = self.engines.routable() or await self.engines.wait_for_engine()
+        results = await asyncio.gather(
+            *(client.engine.add_lora.remote(name, path) for client in clients), return_exceptions=True
+        )
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            loaded = [client for client, result in zip(clients, results) if not isinstance(result, BaseException)]
+            await asyncio.gather(*(client.engine.remove_lora.remote(name) for client in loaded), return_exceptions=True)
+            error = unwrap_ray_error(failures[0])
+            if isinstance(error, ValueError):
+                raise RequestError(400, str(error), param="lora_path")
+            raise error
+        self.serving.adapters[name] = results[0]
+
+    async def unload_adapter(self, name: str) -> None:
+        self._require_lora()
+        await self.refresh_adapters()
+        if name not in self.serving.adapters:
+            raise RequestError(404, f"no LoRA adapter named {name!r} is loaded.", "NotFoundError", "lora_name")
+        results = await asyncio.gather(
+            *(client.engine.remove_lora.remote(name) for client in self.engines.all_clients()), return_exceptions=True
+        )
+        self.serving.adapters.pop(name, None)
+        for result in results:
+            error = unwrap_ray_error(result) if isinstance(result, BaseException) else None
+            if isinstance(error, ValueError):
+                raise RequestError(409, str(error), "ConflictError", "lora_name")
+
+    def _require_lora(self) -> None:
+        if not self.lora_enabled:
+            raise RequestError(400, f"LoRA adapters are not enabled for {self.name}: start it with --enable-lora.")
+
+
+def adapters_by_name(listed: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {adapter["name"]: adapter for adapter in listed}
 
 
 class OpenAIIngress:
@@ -146,6 +207,8 @@ class OpenAIIngress:
             ("GET", "/version"): self.version,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
+            ("POST", "/v1/load_lora_adapter"): self.load_lora_adapter,
+            ("POST", "/v1/unload_lora_adapter"): self.unload_lora_adapter,
         }
         freeze_startup_heap("ingress replica")
         for served in self.models.values():
@@ -162,22 +225,34 @@ class OpenAIIngress:
         if hasattr(self, "tokenizer_thread"):
             self.tokenizer_thread.shutdown(wait=False)
 
-    def served_model(self, requested: str | None) -> ServedModel:
-        """The model a request names; with one model served, a request naming none (or another, refused later by
-        its handler with the single model's 404) goes to it."""
-        if len(self.models) == 1:
-            return next(iter(self.models.values()))
+    async def served_model(self, requested: str | None) -> ServedModel:
+        """The model a request names, or the model whose LoRA adapter it names; with one model served, a request
+        naming none goes to it. An unknown name is a 404 naming the served ones."""
         if requested is None:
-            raise RequestError(400, f"model is required: this server serves {list(self.models)}", param="model")
-        served = self.models.get(requested)
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise RequestError(400, f"model is required: this server serves {self._served_names()}", param="model")
+        served = self._find(requested)
+        if served is None:
+            # An adapter another ingress replica loaded is not known here yet.
+            await asyncio.gather(*(served.refresh_adapters() for served in self.models.values()))
+            served = self._find(requested)
         if served is None:
             raise RequestError(
                 404,
-                f"The model `{requested}` does not exist; this server serves {list(self.models)}.",
+                f"The model `{requested}` does not exist; this server serves {self._served_names()}.",
                 "NotFoundError",
                 "model",
             )
         return served
+
+    def _find(self, requested: str) -> ServedModel | None:
+        if requested in self.models:
+            return self.models[requested]
+        return next((served for served in self.models.values() if requested in served.serving.adapters), None)
+
+    def _served_names(self) -> list[str]:
+        return [name for served in self.models.values() for name in [served.name, *served.serving.adapters]]
 
     @staticmethod
     def route_path(request: Request) -> str:
@@ -230,7 +305,7 @@ class OpenAIIngress:
             body = validate_payload(model, payload)
             if body.stream:
                 raise RequestError(400, "stream is not supported in batch requests.", param="stream")
-            served = self.served_model(body.model)
+            served = await self.served_model(body.model)
             response = self._respond(await getattr(served.serving, handler_name)(body), served)
         except (RequestError, *ENGINE_ERRORS) as error:
             response = error_response(error)
@@ -268,7 +343,33 @@ class OpenAIIngress:
         return Response(status_code=200)
 
     async def list_models(self, request: Request) -> Response:
-        return self._respond(ModelList(data=[served.card() for served in self.models.values()]))
+        await asyncio.gather(*(served.refresh_adapters() for served in self.models.values()))
+        return self._respond(ModelList(data=[card for served in self.models.values() for card in served.cards()]))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = await parse_body(request, LoadLoRAAdapterRequest, self.guard)
+        if len(self.models) > 1 and body.base_model_name is None:
+            raise RequestError(
+                400, f"base_model_name is required: this server serves {list(self.models)}", param="base_model_name"
+            )
+        served = self.models.get(body.base_model_name) if body.base_model_name else next(iter(self.models.values()))
+        if served is None:
+            raise RequestError(404, f"no model {body.base_model_name!r}; served: {list(self.models)}", "NotFoundError")
+        if self._find(body.lora_name) is not None:
+            raise RequestError(400, f"the name {body.lora_name!r} is already served.", param="lora_name")
+        await served.load_adapter(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await parse_body(request, UnloadLoRAAdapterRequest, self.guard)
+        await asyncio.gather(*(served.refresh_adapters() for served in self.models.values()))
+        served = next((served for served in self.models.values() if body.lora_name in served.serving.adapters), None)
+        if served is None:
+            raise RequestError(
+                404, f"no LoRA adapter named {body.lora_name!r} is loaded.", "NotFoundError", "lora_name"
+            )
+        await served.unload_adapter(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     async def metrics(self, request: Request) -> Response:
         results = await asyncio.gather(
@@ -286,22 +387,22 @@ class OpenAIIngress:
 
     async def tokenize(self, request: Request) -> Response:
         body = await parse_body(request, TokenizeRequest, self.guard)
-        served = self.served_model(body.model)
+        served = await self.served_model(body.model)
         return self._respond(await served.serving.tokenize(body), served)
 
     async def detokenize(self, request: Request) -> Response:
         body = await parse_body(request, DetokenizeRequest, self.guard)
-        served = self.served_model(body.model)
+        served = await self.served_model(body.model)
         return self._respond(served.serving.detokenize(body), served)
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, self.guard)
-        served = self.served_model(body.model)
+        served = await self.served_model(body.model)
         return self._respond(await served.serving.complete(body), served)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self.guard)
-        served = self.served_model(body.model)
+        served = await self.served_model(body.model)
         return self._respond(await served.serving.chat(body), served)
 
     def _respond(self, result: BaseModel | ChunkStream, served: ServedModel | None = None) -> Response:

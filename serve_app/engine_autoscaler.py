@@ -311,6 +311,8 @@ class EngineAutoscaler:
         if self.replicas.get(replica.index) is not replica or replica.state != "starting":
             await self._kill(handle)  # scaled down (or replaced) while it started
             return
+        if self.engine_config.lora.enable_lora:
+            await self._copy_adapters(handle)
         replica.handle, replica.state, replica.since = handle, "running", time.monotonic()
         self.engine_info = self.engine_info or info
         self.start_error = None
@@ -322,6 +324,21 @@ class EngineAutoscaler:
             sum(other.state == "running" for other in self.replicas.values()),
             self.target,
         )
+
+    async def _copy_adapters(self, handle: Any) -> None:
+        """A new replica gets the LoRA adapters loaded at run time into the running ones (those of the config it
+        loads itself), so a request for one finds it on every replica."""
+        running = [replica.handle for replica in self.replicas.values() if replica.state == "running"]
+        if not running:
+            return
+        try:
+            wanted = await asyncio.wait_for(running[0].list_loras.remote(), RAY_CALL_TIMEOUT_S)
+            present = {adapter["name"] for adapter in await handle.list_loras.remote()}
+            for adapter in wanted:
+                if adapter["name"] not in present:
+                    await handle.add_lora.remote(adapter["name"], adapter["path"], adapter["base_model_name"])
+        except Exception as error:
+            logger.error("%s: copying LoRA adapters to a new replica failed: %s", self.group, short_reason(error))
 
     def _begin_drain(self, replica: EngineReplica, now: float) -> None:
         if replica.state == "starting":

@@ -268,6 +268,22 @@ class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's /v1/load_lora_adapter body; `base_model_name` picks the model when the app serves several."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    # vLLM's id of the adapter; the name identifies it here.
+    lora_int_id: int | None = None
+
+
 # Responses. Field order is the JSON key order; a None field is sent as null unless its model says otherwise.
 
 
@@ -464,6 +480,9 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedserve"
+    # vLLM's: where the weights come from, and the base model of a LoRA adapter (null for a base model).
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

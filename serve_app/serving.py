@@ -91,17 +91,26 @@ class OpenAIServing:
         self.settings = settings
         self.runner = runner
         self.tokenizer_thread = tokenizer_thread
+        # The LoRA adapters loaded in the engines (name -> what the engine lists), kept by the served model.
+        self.adapters: dict[str, dict[str, Any]] = {}
         self.max_logprobs = engine_info.engine_config.model.max_logprobs
         self.generation_defaults = generation_defaults(engine_info.engine_config)
         self.length_limit = PromptLengthLimit.of(tokenizer, engine_info.max_model_len)
         self.chat_template = ChatTemplate(tokenizer, self.length_limit)
         self.logprobs = LogprobFormatter(tokenizer)
 
+    def adapter_of(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); any other name is a 404."""
+        if requested is not None and requested in self.adapters:
+            return requested
+        check_model(requested, self.model_name)
+        return None
+
     async def _tokenizing(self, function: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, function, *args)
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
-        check_model(body.model, self.model_name)
+        self.adapter_of(body.model)
         refuse_request_templates(body)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError(400, "give exactly one of prompt or messages.", param="prompt")
@@ -120,7 +129,7 @@ class OpenAIServing:
         return TokenizeResponse(count=len(token_ids), max_model_len=self.engine_info.max_model_len, tokens=token_ids)
 
     def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(body.model, self.model_name)
+        self.adapter_of(body.model)
         vocab_size = self.engine_info.vocab_size
         bad = [token_id for token_id in body.tokens if not 0 <= token_id < vocab_size]
         if bad:
@@ -224,12 +233,13 @@ class OpenAIServing:
         return text if text is not None else self.tokenizer.decode(token_ids)
 
     async def complete(self, body: CompletionRequest) -> CompletionResponse | ChunkStream:
-        check_model(body.model, self.model_name)
+        lora_name = self.adapter_of(body.model)
         if body.echo and body.logprobs is not None:
             raise RequestError(400, "echo together with logprobs is not supported.", param="echo")
         # Without a model default: left out is OpenAI's 16 (body.max_tokens), null is up to the context.
         max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), body.max_tokens)
         params = await self._sampling_params(body, max_tokens, body.logprobs, "logprobs")
+        params.lora_name = lora_name
         prompts = await self._completion_prompts(body.prompt)
         params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
         self._validate_prompts(prompts, params_per_prompt)
@@ -261,7 +271,7 @@ class OpenAIServing:
         return CompletionResponse(
             id=completion_id,
             created=created,
-            model=self.model_name,
+            model=params.lora_name or self.model_name,
             choices=choices,
             usage=Usage.of(num_prompt_tokens, num_completion_tokens),
         )
@@ -275,7 +285,9 @@ class OpenAIServing:
         params: SamplingParams,
         body: CompletionRequest,
     ) -> AsyncIterator[CompletionStreamResponse]:
-        chunk = functools.partial(CompletionStreamResponse, id=completion_id, created=created, model=self.model_name)
+        chunk = functools.partial(
+            CompletionStreamResponse, id=completion_id, created=created, model=params.lora_name or self.model_name
+        )
         if body.echo:
             for prompt_index, prompt in enumerate(prompts):
                 for index in range(params.n):
@@ -306,7 +318,7 @@ class OpenAIServing:
             yield chunk(choices=[], usage=Usage.of(num_prompt_tokens, num_completion_tokens))
 
     async def chat(self, body: ChatCompletionRequest) -> ChatCompletionResponse | ChunkStream:
-        check_model(body.model, self.model_name)
+        lora_name = self.adapter_of(body.model)
         refuse_request_templates(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -322,6 +334,7 @@ class OpenAIServing:
         max_tokens, default_max_tokens = self._max_tokens(body.explicit_max_tokens(), None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = await self._sampling_params(body, max_tokens, logprobs, "top_logprobs", tool_plan)
+        params.lora_name = lora_name
         prompts: list[Prompt] = [(None, prompt_token_ids)]
         params_per_prompt = self._params_per_prompt(params, prompts, default_max_tokens)
         self._validate_prompts(prompts, params_per_prompt)
@@ -351,7 +364,7 @@ class OpenAIServing:
         return ChatCompletionResponse(
             id=completion_id,
             created=created,
-            model=self.model_name,
+            model=params.lora_name or self.model_name,
             choices=choices,
             usage=Usage.of(len(prompt_token_ids), num_completion_tokens),
         )
@@ -367,7 +380,7 @@ class OpenAIServing:
         tool_plan: ToolCallPlan,
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
         chunk = functools.partial(
-            ChatCompletionStreamResponse, id=completion_id, created=created, model=self.model_name
+            ChatCompletionStreamResponse, id=completion_id, created=created, model=params.lora_name or self.model_name
         )
         for index in range(params.n):
             opening = ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))

@@ -6,6 +6,11 @@ checkpoint tensor: `loaded_weight` may be a lazy safetensors slice, so a rank ne
 After loading, `pack_weights(use_cpu_kernels)` picks the layer's `linear_method` once (the kernel its matmuls run
 on) and lays the weight out for it; `forward` calls `self.linear_method.apply(self, x, bias)`, with no per-call
 checks of device, dtype or settings.
+
+With LoRA enabled (`model_executor.lora`), a layer's `lora` adds the batch's adapter deltas to its output: column
+layers before returning their slice, row layers to their partial sum before the all-reduce (their A is split by
+input columns as the weight is, so the partial deltas sum to the whole one). `lora_slices` says where each of a
+layer's projections lies in its output and in a checkpoint tensor, so adapters load the same slices the weights do.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -132,6 +138,27 @@ def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearM
     return UNQUANTIZED
 
 
+@dataclass(frozen=True, slots=True)
+class LoRASlice:
+    """One projection of a linear layer, as a LoRA adapter's B matrix (its output rows) sees it on this rank."""
+
+    offset: int
+    """Its first column in this rank's output."""
+    rows: int
+    """Its columns in this rank's output (rows of this rank's B slice)."""
+    source_start: int
+    """This rank's first row in the projection's own checkpoint tensor."""
+    fused_start: int
+    """The projection's first row in a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj)."""
+
+
+class LoRAHook:
+    """What a layer's `lora` does (model_executor.lora.LinearLoRA): add the step's adapter deltas to `out`."""
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 class PackableWeight:
     """Mixin of the layers whose `weight` multiplies their input (the linears and the LM head). The plain weight
     stays after packing (the greedy screen, the C++ decoder stack and the GPU path read it)."""
@@ -156,14 +183,26 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output size")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False) if bias else None
+        self.lora: LoRAHook | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+        out = self.linear_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(out, x)
+        return out
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)
         rows = self.output_size_per_rank
         copy_into(param.data, read_rows(loaded_weight, self.parallel.tp_rank * rows, rows))
+
+    def lora_slices(self) -> list[LoRASlice]:
+        rows = self.output_size_per_rank
+        return [LoRASlice(0, rows, self.parallel.tp_rank * rows, 0)]
+
+    def lora_input_range(self) -> tuple[int, int] | None:
+        """The input columns this rank's LoRA A reads: None, all of them (the input is not split)."""
+        return None
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -191,6 +230,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         rows = divide(self.output_sizes[index], tp_size, "merged output size")
         offset = sum(self.output_sizes[:index]) // tp_size
         copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, first_row + tp_rank * rows, rows))
+
+    def lora_slices(self) -> list[LoRASlice]:
+        tp_size, tp_rank = self.parallel.tp_size, self.parallel.tp_rank
+        slices = []
+        for index, size in enumerate(self.output_sizes):
+            rows = size // tp_size
+            first = sum(self.output_sizes[:index])
+            slices.append(LoRASlice(first // tp_size, rows, tp_rank * rows, first))
+        return slices
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -244,6 +292,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         copy_into(param.data[offset : offset + rows], read_rows(loaded_weight, first_row + start, rows))
 
+    def lora_slices(self) -> list[LoRASlice]:
+        q_rows, kv_rows = self.total_num_heads * self.head_dim, self.total_num_kv_heads * self.head_dim
+        kv_start = self.kv_head_offset * self.head_dim
+        return [
+            LoRASlice(0, self.q_size, self.parallel.tp_rank * self.q_size, 0),
+            LoRASlice(self.q_size, self.kv_size, kv_start, q_rows),
+            LoRASlice(self.q_size + self.kv_size, self.kv_size, kv_start, q_rows + kv_rows),
+        ]
+
 
 class RowParallelLinear(PackableWeight, nn.Module):
     """y = x W^T with W split by input columns; partial sums are all-reduced, the bias added once after."""
@@ -254,10 +311,23 @@ class RowParallelLinear(PackableWeight, nn.Module):
         self.input_size_per_rank = divide(input_size, parallel.tp_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.lora: LoRAHook | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parallel.all_reduce(self.linear_method.apply(self, x))
+        partial = self.linear_method.apply(self, x)
+        if self.lora is not None:
+            self.lora.apply(partial, x)
+        y = self.parallel.all_reduce(partial)
         return y + self.bias if self.bias is not None else y
+
+    def lora_slices(self) -> list[LoRASlice]:
+        rows = self.weight.shape[0]
+        return [LoRASlice(0, rows, 0, 0)]
+
+    def lora_input_range(self) -> tuple[int, int] | None:
+        """This rank's input columns, which its LoRA A reads (A is split as the weight is)."""
+        columns = self.input_size_per_rank
+        return self.parallel.tp_rank * columns, columns
 
     def load_weight(self, param_name: str, loaded_weight: Any, shard_id: Any = None) -> None:
         param = getattr(self, param_name)

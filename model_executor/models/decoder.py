@@ -81,6 +81,8 @@ class CausalLMBase(nn.Module):
     """`cap * tanh(logits / cap)` on the logits when set (Gemma 2)."""
     supports_decode_stack: ClassVar[bool] = False
     """Whether the C++ decoder stack (`model_executor.cpu_decode_stack`) can run this family's layers."""
+    lora_batch: Any = None
+    """The step's LoRA rows (`model_executor.lora.LoRABatch`), set on the model once adapters are enabled."""
 
     def __init__(self, config: Any, parallel: ParallelContext, attention_backend: str, device: torch.device):
         # Refused here too, for models built without the up-front check (tests, `LLM` on a directory).
