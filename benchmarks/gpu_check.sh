@@ -92,13 +92,15 @@ log "device: $DEVICE"
 
 if [ "$DEVICE" = cuda ]; then
     # Compiled kernels only: the image's NumPy breaks Triton's interpreter, and conftest interprets only without CUDA.
-    stage tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_graphs.py \
-        tests/test_triton_attention.py tests/test_triton_fused_ops.py tests/test_heap_reuse.py tests/test_lora_ops.py
+    # The interpreter child test needs a NumPy the image lacks (see the comment above): deselected, not failed.
+    stage tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_graphs.py \
+        tests/test_triton_attention.py tests/test_triton_fused_ops.py tests/test_heap_reuse.py tests/test_lora_ops.py \
+        --deselect tests/test_triton_attention.py::test_interpreter_tests_in_subprocess
     grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1 | sed 's/^/    /' | tee -a "$SUMMARY"
     stage offline-smollm2 100 "$PYTHON" -m benchmarks.gpu_bench offline --shape smollm2 --device cuda \
-        --streams "$STREAMS" --work-dir "$WORK" --json-out "$WORK/offline-smollm2.json"
+        --streams "$STREAMS" --hf-max-time-s 8 --work-dir "$WORK" --json-out "$WORK/offline-smollm2.json"
     stage offline-llama3-8b 230 "$PYTHON" -m benchmarks.gpu_bench offline --shape llama3-8b --device cuda \
-        --streams "$STREAMS" --hf-max-time-s 15 --work-dir "$WORK" --json-out "$WORK/offline-llama3-8b.json"
+        --streams "$STREAMS" --hf-max-time-s 10 --work-dir "$WORK" --json-out "$WORK/offline-llama3-8b.json"
     # Last: a server that outlives a timed-out stage holds the GPU only until the machine goes back.
     stage http-smollm2 120 "$PYTHON" -m benchmarks.gpu_bench http --shape smollm2 --device cuda \
         --streams "$STREAMS" --work-dir "$WORK" --server-log "$WORK/server.log" --json-out "$WORK/http-smollm2.json"
