@@ -34,6 +34,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // fp32 lanes per vector register of this build: how far linear_tokens beats a GEMM library depends on it.
   module.attr("vector_lanes") = kLanes;
   module.attr("panel_width") = kPanelWidth;
+#if defined(__AVX512BF16__)
+  module.def("pack_bf16_panels", &pack_bf16_panels, "a bf16 (or fp32) weight in the bf16 panel layout");
+  module.def("bf16_panel_linear", &bf16_panel_linear,
+             "x @ weight^T on a pack_bf16_panels weight: bf16 products, fp32 sums, bf16 or fp32 x and out");
+  module.attr("bf16_panel_width") = kBf16PanelWidth;
+  module.attr("has_bf16_panels") = true;
+#else
+  // No AVX512-BF16 on the build target: bf16 weights stay on oneDNN.
+  module.attr("has_bf16_panels") = false;
+#endif
   pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),

@@ -318,4 +318,225 @@ void panel_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tenso
                       out.data_ptr<float>(), out.stride(0));
 }
 
+#if defined(__AVX512BF16__)
+// y = x W^T for bf16 tokens on a bf16 panel-packed weight, fp32 sums: the fp32 panel kernel's scheme with
+// VDPBF16PS in place of the FMA. A panel stores its columns in pairs ([panels, column pairs, kBf16PanelWidth, 2]),
+// so one 512-bit load holds 16 outputs' weights for two columns, and one instruction adds both columns' products
+// for a token (its pair of x values broadcast to every lane) to 16 fp32 sums. The panel is half the bytes of the
+// fp32 one: one token, which only streams the weight, runs at the memory's read rate on half the bytes.
+
+namespace {
+
+// Cache lines of one column pair of a bf16 panel: what a tile asks for per pair at most.
+constexpr int64_t kBf16PairLines = (kBf16PanelWidth * 2 * int64_t{sizeof(uint16_t)} + kCacheLine - 1) / kCacheLine;
+
+// x's bf16 values at `pair` and pair + 1 in every 32-bit lane (the lower address in the lower half, as the panel's).
+inline __m512bh broadcast_pair(const uint16_t* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
+inline void store_sums(float* target, __m512 sums) {
+  _mm512_storeu_ps(target, sums);
+}
+
+inline void store_sums(uint16_t* target, __m512 sums) {
+  const __m256bh rounded = _mm512_cvtneps_pbh(sums);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), reinterpret_cast<const __m256i&>(rounded));
+}
+
+template <int64_t kTokens, typename Out>
+void bf16_panel_tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t columns, Out* out,
+                     int64_t out_stride, int64_t valid_width, PanelPrefetch prefetch) {
+  constexpr int64_t kPairElements = kBf16PanelWidth * 2;
+  __m512 sums[kTokens][kBf16PanelVectors];
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < kTokens; ++t) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kBf16PanelVectors; ++v) {
+      sums[t][v] = _mm512_setzero_ps();
+    }
+  }
+  const auto add_pair = [&](const uint16_t* weights, const auto& x_pair_of) {
+    __m512bh w[kBf16PanelVectors];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kBf16PanelVectors; ++v) {
+      w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(weights + v * 32));
+    }
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const __m512bh xs = x_pair_of(t);
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kBf16PanelVectors; ++v) {
+        sums[t][v] = _mm512_dpbf16_ps(sums[t][v], xs, w[v]);
+      }
+    }
+  };
+  const int64_t full_pairs = columns / 2;
+  for (int64_t pair = 0; pair < full_pairs; ++pair) {
+    const char* line = prefetch.start + ((pair * prefetch.bytes_per_column_fp) >> 16);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kBf16PairLines; ++i) {
+      _mm_prefetch(line + i * kCacheLine, _MM_HINT_T1);
+    }
+    add_pair(panel + pair * kPairElements, [&](int64_t t) { return broadcast_pair(x + t * x_stride + 2 * pair); });
+  }
+  if (columns % 2 != 0) {
+    // The last column alone: the panel's second weight is zero, and x's second value must be too (past the row x
+    // may hold anything, NaN included, and 0 * NaN is NaN).
+    add_pair(panel + full_pairs * kPairElements, [&](int64_t t) {
+      return reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[t * x_stride + columns - 1]));
+    });
+  }
+  if (valid_width == kBf16PanelWidth) {
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kTokens; ++t) {
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kBf16PanelVectors; ++v) {
+        store_sums(out + t * out_stride + v * 16, sums[t][v]);
+      }
+    }
+    return;
+  }
+  // The last panel of a weight whose rows are not a multiple of kBf16PanelWidth: only its real outputs.
+  for (int64_t t = 0; t < kTokens; ++t) {
+    Out row[kBf16PanelWidth];
+    for (int64_t v = 0; v < kBf16PanelVectors; ++v) {
+      store_sums(row + v * 16, sums[t][v]);
+    }
+    std::memcpy(out + t * out_stride, row, valid_width * sizeof(Out));
+  }
+}
+
+template <typename Out>
+using Bf16PanelTile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, Out*, int64_t, int64_t,
+                               PanelPrefetch);
+
+template <typename Out, int64_t... kCounts>
+constexpr std::array<Bf16PanelTile<Out>, sizeof...(kCounts)> bf16_panel_tiles_by_count(
+    std::integer_sequence<int64_t, kCounts...>) {
+  return {&bf16_panel_tile<kCounts + 1, Out>...};
+}
+
+// bf16_panel_tile for 1 .. kBf16PanelTokens tokens: the last, shorter tile of a step's tokens takes its own count.
+template <typename Out>
+constexpr auto kBf16PanelTiles =
+    bf16_panel_tiles_by_count<Out>(std::make_integer_sequence<int64_t, kBf16PanelTokens>{});
+
+template <typename Out>
+void run_bf16_panels(const uint16_t* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                     int64_t columns, Out* out, int64_t out_stride) {
+  if (num_tokens == 0) {
+    return;  // a step whose rows all skip this projection (nothing to sample)
+  }
+  const int64_t panels = num_bf16_panels(rows);
+  const int64_t column_pairs = (columns + 1) / 2;
+  const int64_t panel_elements = column_pairs * kBf16PanelWidth * 2;
+  const int64_t num_tiles = (num_tokens + kBf16PanelTokens - 1) / kBf16PanelTokens;
+  // Each tile asks for an equal part of the next panel, spread over its column pairs.
+  const int64_t bytes_per_tile = (panel_elements * int64_t{sizeof(uint16_t)} + num_tiles - 1) / num_tiles;
+  const int64_t bytes_per_pair_fp = (bytes_per_tile << 16) / column_pairs;
+  parallel_claims(panels, panel_elements * num_tokens, kClaimPanelsMin, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = packed + p * panel_elements;
+      // Past the claim too, as the fp32 kernel does: most often the next panel is this thread's next claim.
+      const char* next = reinterpret_cast<const char*>(p + 1 < panels ? panel + panel_elements : panel);
+      const int64_t valid_width = std::min(kBf16PanelWidth, rows - p * kBf16PanelWidth);
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t token = tile * kBf16PanelTokens;
+        const PanelPrefetch prefetch{next + tile * bytes_per_tile, bytes_per_pair_fp};
+        kBf16PanelTiles<Out>[std::min(kBf16PanelTokens, num_tokens - token) - 1](
+            x + token * x_stride, x_stride, panel, columns, out + token * out_stride + p * kBf16PanelWidth,
+            out_stride, valid_width, prefetch);
+      }
+    }
+  });
+}
+
+const uint16_t* bf16_bits(const torch::Tensor& tensor) {
+  return reinterpret_cast<const uint16_t*>(tensor.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
+void bf16_panel_linear_kernel(const uint16_t* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed,
+                              int64_t rows, int64_t columns, float* out, int64_t out_stride) {
+  run_bf16_panels(x, x_stride, num_tokens, packed, rows, columns, out, out_stride);
+}
+
+void bf16_panel_linear_kernel(const uint16_t* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed,
+                              int64_t rows, int64_t columns, uint16_t* out, int64_t out_stride) {
+  run_bf16_panels(x, x_stride, num_tokens, packed, rows, columns, out, out_stride);
+}
+
+torch::Tensor pack_bf16_panels(const torch::Tensor& weight) {
+  check_rows(weight, "weight");
+  const bool bf16_or_fp32 = weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(weight.dim() == 2 && bf16_or_fp32, "weight must be a 2-d bf16 or fp32 tensor");
+  // An fp32 weight rounded to bf16 as torch rounds (to nearest even); a bf16 one is read in place.
+  const torch::Tensor source = weight.scalar_type() == torch::kBFloat16 ? weight : weight.to(torch::kBFloat16);
+  check_rows(source, "weight");
+  const int64_t rows = source.size(0), columns = source.size(1), panels = num_bf16_panels(rows);
+  const int64_t column_pairs = (columns + 1) / 2;
+  torch::Tensor packed = torch::zeros({panels, column_pairs, kBf16PanelWidth, 2}, source.options());
+  const uint16_t* bits = bf16_bits(source);
+  uint16_t* target = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t row_stride = source.stride(0);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = target + p * column_pairs * kBf16PanelWidth * 2;
+      for (int64_t j = 0; j < std::min(kBf16PanelWidth, rows - p * kBf16PanelWidth); ++j) {
+        const uint16_t* row = bits + (p * kBf16PanelWidth + j) * row_stride;
+        for (int64_t column = 0; column < columns; ++column) {
+          panel[(column / 2 * kBf16PanelWidth + j) * 2 + column % 2] = row[column];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+void check_bf16_panels(const torch::Tensor& packed, int64_t rows, int64_t columns, const char* name) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 4,
+              name, " must be a contiguous 4-d CPU bf16 tensor from pack_bf16_panels");
+  TORCH_CHECK(packed.size(0) == num_bf16_panels(rows) && packed.size(1) == (columns + 1) / 2 &&
+                  packed.size(2) == kBf16PanelWidth && packed.size(3) == 2,
+              name, " must be pack_bf16_panels of a [", rows, ", ", columns, "] weight");
+}
+
+void bf16_panel_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "x and out must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-d");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out must have contiguous rows");
+  const auto is_bf16_or_fp32 = [](const torch::Tensor& tensor) {
+    return tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kFloat32;
+  };
+  TORCH_CHECK(is_bf16_or_fp32(x) && is_bf16_or_fp32(out), "bf16_panel_linear takes bf16 or fp32 x and out");
+  TORCH_CHECK(out.size(0) == x.size(0), "x and out must have one row per token");
+  const int64_t num_tokens = x.size(0), columns = x.size(1), rows = out.size(1);
+  check_bf16_panels(packed, rows, columns, "packed");
+  torch::Tensor x_bf16 = x;
+  if (x.scalar_type() == torch::kFloat32) {
+    // Rounded once per call, not once per panel.
+    x_bf16 = torch::empty({num_tokens, columns}, x.options().dtype(torch::kBFloat16));
+    uint16_t* target = reinterpret_cast<uint16_t*>(x_bf16.data_ptr<at::BFloat16>());
+    const float* source = x.data_ptr<float>();
+    for (int64_t token = 0; token < num_tokens; ++token) {
+      floats_to_bf16(target + token * columns, source + token * x.stride(0), columns);
+    }
+  }
+  const uint16_t* x_bits = bf16_bits(x_bf16);
+  const uint16_t* packed_bits = bf16_bits(packed);
+  if (out.scalar_type() == torch::kFloat32) {
+    run_bf16_panels(x_bits, x_bf16.stride(0), num_tokens, packed_bits, rows, columns, out.data_ptr<float>(),
+                    out.stride(0));
+  } else {
+    run_bf16_panels(x_bits, x_bf16.stride(0), num_tokens, packed_bits, rows, columns,
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0));
+  }
+}
+#endif
+
 }  // namespace pagedserve

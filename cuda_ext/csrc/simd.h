@@ -93,4 +93,20 @@ inline Lanes exp_lanes(Lanes x) {
   return p * two_to_k;
 }
 
+#if defined(__AVX512BF16__)
+// target[0..count) = source[0..count) rounded to bf16, to nearest even, as torch's fp32 -> bf16 conversion rounds.
+inline void floats_to_bf16(uint16_t* target, const float* source, int64_t count) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(source + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + i), reinterpret_cast<const __m256i&>(rounded));
+  }
+  if (i < count) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, source + i));
+    _mm256_mask_storeu_epi16(target + i, tail, reinterpret_cast<const __m256i&>(rounded));
+  }
+}
+#endif
+
 }  // namespace pagedserve

@@ -119,20 +119,75 @@ class CpuPanelLinearMethod(LinearMethod):
         return out.add_(bias) if bias is not None else out
 
 
+# Most tokens a call runs on our bf16 panels; larger calls go to oneDNN's packed bf16 GEMM. Measured with
+# benchmarks/bench_bf16_gemm.py where the CPU has AMX (Intel Xeon from Sapphire Rapids on): there VDPBF16PS issues
+# at a fraction of the FMA's rate and oneDNN's tile GEMM leads from about 8 tokens on, while below that its per-call
+# cost dominates. With AVX512-BF16 alone (AMD Zen 4 and 5; not yet measured) ours takes decode batches and prefill
+# chunks stay on the library.
+BF16_PANEL_MAX_TOKENS_WITH_AMX = 4
+BF16_PANEL_MAX_TOKENS = 64
+
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles (what oneDNN's bf16 GEMM runs on where present)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return "amx_bf16" in flags.split()
+
+
+class CpuBf16PanelLinearMethod(LinearMethod):
+    """bf16 weights on CPU: our C++ bf16 panel GEMM (`cuda_ext.cpu_ops` pack_bf16_panels / bf16_panel_linear: bf16
+    products, fp32 sums, one rounding to the output's dtype) for calls of up to `max_tokens` tokens, oneDNN's packed
+    bf16 GEMM above that (where this torch build packs bf16; else our kernel at any count)."""
+
+    def __init__(self, ops: ModuleType, max_tokens: int):
+        self.ops = ops
+        self.max_tokens = max_tokens
+        self.onednn = OneDnnLinearMethod() if onednn_packing_available(torch.bfloat16) else None
+
+    def process_weights_after_loading(self, layer: PackableWeight) -> None:
+        layer.bf16_panel_weight = self.ops.pack_bf16_panels(layer.weight.detach())
+        if self.onednn is not None:
+            self.onednn.process_weights_after_loading(layer)
+
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2:
+            return nn.functional.linear(x, layer.weight, bias)
+        if self.onednn is not None and x.shape[0] > self.max_tokens and x.dtype == torch.bfloat16:
+            return self.onednn.apply(layer, x, bias)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if bias is None:
+            out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
+            self.ops.bf16_panel_linear(out, x, layer.bf16_panel_weight)
+            return out
+        # The bias joins the fp32 sums, so a bf16 output is rounded once, as F.linear's is.
+        sums = torch.empty(x.shape[0], layer.weight.shape[0], dtype=torch.float32, device=x.device)
+        self.ops.bf16_panel_linear(sums, x, layer.bf16_panel_weight)
+        return sums.add_(bias).to(x.dtype)
+
+
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
 def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearMethod:
-    """The kernel for this weight: on CPU with `use_cpu_kernels`, fp32 on our panels (where they build), fp32 and
-    bf16 on oneDNN's packed GEMM otherwise; torch's matmul everywhere else."""
+    """The kernel for this weight: on CPU with `use_cpu_kernels`, fp32 on our panels (where they build), bf16 on our
+    bf16 panels for small calls and oneDNN's for large ones (where the CPU has AVX512-BF16), fp32 and bf16 on
+    oneDNN's packed GEMM otherwise; torch's matmul everywhere else."""
     if not use_cpu_kernels or weight.device.type != "cpu":
         return UNQUANTIZED
-    if weight.dtype == torch.float32:
+    if weight.dtype in (torch.float32, torch.bfloat16):
         from cuda_ext.cpu_ops import load_cpu_ops
 
         ops = load_cpu_ops()
-        if ops is not None:
+        if ops is not None and weight.dtype == torch.float32:
             return CpuPanelLinearMethod(ops)
+        if ops is not None and getattr(ops, "has_bf16_panels", False):
+            max_tokens = BF16_PANEL_MAX_TOKENS_WITH_AMX if cpu_has_amx_bf16() else BF16_PANEL_MAX_TOKENS
+            return CpuBf16PanelLinearMethod(ops, max_tokens)
     if weight.dtype in (torch.float32, torch.bfloat16) and onednn_packing_available(weight.dtype):
         return OneDnnLinearMethod()
     return UNQUANTIZED
@@ -167,6 +222,7 @@ class PackableWeight:
     linear_method: LinearMethod = UNQUANTIZED
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout (OneDnnLinearMethod)
     panel_weight: torch.Tensor | None = None  # our kernel's panels (CpuPanelLinearMethod)
+    bf16_panel_weight: torch.Tensor | None = None  # our bf16 panels (CpuBf16PanelLinearMethod)
 
     def pack_weights(self, use_cpu_kernels: bool) -> None:
         """After loading: choose this layer's kernel once and lay the weight out for it."""
