@@ -4,7 +4,10 @@
 
 Prints, per scenario, the torch path and the C++ path in microseconds and the speedup. Attention rows time the
 whole backend call (KV write + attention) on decode batches and prefill chunks over shuffled cache blocks (the
-prefill rows force our kernel past `PREFILL_KERNEL_MAX_KEYS`, to show where SDPA wins). A second table times a
+prefill rows force our kernel past `PREFILL_KERNEL_MAX_KEYS`, to show where SDPA wins). The bf16 rows run the same
+scenarios on a bf16 model's tensors and KV cache (SmolLM2's 9 heads, 3 KV heads, head 64; decode at batch 1 and 64
+over 128 and 1024 tokens), against torch's own bf16 ops; their prefill rows force our kernel's bf16 path, which the
+backend leaves to SDPA. A second table times a
 whole step's linears (SmolLM2's 120 layer matmuls on distinct random weights, so each streams from memory as in
 the model, plus the LM head) at each row count on oneDNN's packed GEMM, on our dot-product kernel
 (`linear_tokens`, what the greedy screen runs) and on our panel kernel (`panel_linear`, what the engine runs).
@@ -20,6 +23,7 @@ from functools import partial
 import torch
 
 from cuda_ext import fused_ops
+from cuda_ext.attention import cpu_backend
 from cuda_ext.attention.base import AttentionBatch
 from cuda_ext.attention.cpu_backend import CpuAttentionBackend
 from cuda_ext.attention.torch_backend import TorchAttentionBackend
@@ -42,19 +46,19 @@ def time_us(fn: Callable[[], object], iterations: int) -> float:
     return sorted(timings)[len(timings) // 2] * 1e6
 
 
-def decode_step(batch_size: int, context: int):
+def decode_step(batch_size: int, context: int, dtype: torch.dtype = torch.float32):
     needed = -(-context // BLOCK)
     order = torch.randperm(batch_size * needed).tolist()
     tables = [order[i * needed : (i + 1) * needed] for i in range(batch_size)]
     slots = [table[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for table in tables]
     batch = AttentionBatch([1] * batch_size, [context] * batch_size, tables, slots, batch_size)
-    query = torch.randn(batch_size, HEADS, HEAD_DIM)
-    key = torch.randn(batch_size, KV_HEADS, HEAD_DIM)
-    kv_cache = torch.randn(2, batch_size * needed, BLOCK, KV_HEADS, HEAD_DIM)
+    query = torch.randn(batch_size, HEADS, HEAD_DIM, dtype=dtype)
+    key = torch.randn(batch_size, KV_HEADS, HEAD_DIM, dtype=dtype)
+    kv_cache = torch.randn(2, batch_size * needed, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
     return batch, query, key, key.clone(), kv_cache
 
 
-def prefill_step(num_chunks: int, query_len: int, context: int):
+def prefill_step(num_chunks: int, query_len: int, context: int, dtype: torch.dtype = torch.float32):
     """num_chunks prompts each adding query_len tokens after `context` cached ones."""
     seq_len = context + query_len
     needed = -(-seq_len // BLOCK)
@@ -63,9 +67,9 @@ def prefill_step(num_chunks: int, query_len: int, context: int):
     slots = [table[pos // BLOCK] * BLOCK + pos % BLOCK for table in tables for pos in range(context, seq_len)]
     batch = AttentionBatch([query_len] * num_chunks, [seq_len] * num_chunks, tables, slots, 0)
     tokens = num_chunks * query_len
-    query = torch.randn(tokens, HEADS, HEAD_DIM)
-    key = torch.randn(tokens, KV_HEADS, HEAD_DIM)
-    kv_cache = torch.randn(2, num_chunks * needed, BLOCK, KV_HEADS, HEAD_DIM)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, dtype=dtype)
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype)
+    kv_cache = torch.randn(2, num_chunks * needed, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
     return batch, query, key, key.clone(), kv_cache
 
 
@@ -82,7 +86,12 @@ def main() -> int:
         return 1
     cpu = torch.device("cpu")
     reference, ours = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM), CpuAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
-    rows = [*attention_rows(reference, ours, cpu, args.iterations), *layer_op_rows(args.iterations)]
+    rows = [
+        *attention_rows(reference, ours, cpu, args.iterations),
+        *layer_op_rows(args.iterations),
+        *attention_rows(reference, ours, cpu, args.iterations, torch.bfloat16),
+        *layer_op_rows(args.iterations, torch.bfloat16),
+    ]
     print(f"torch threads: {torch.get_num_threads()}")
     print(f"| {'op (one layer)':<36} | {'torch us':>9} | {'C++ us':>9} | speedup |")
     print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|---------|")
@@ -140,63 +149,85 @@ def linear_step_rows(row_counts: list[int], repeats: int = 5) -> dict[int, dict[
     return results
 
 
-def attention_rows(reference, ours, cpu, iterations: int) -> list[tuple[str, float, float]]:
+# (batch, context) of the decode rows: fp32's, and the bf16 ones issue 38 names.
+DECODE_SHAPES = {
+    torch.float32: ((1, 128), (1, 2048), (16, 256), (64, 150), (64, 1024)),
+    torch.bfloat16: ((1, 128), (1, 1024), (64, 128), (64, 1024)),
+}
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return "bf16 " if dtype == torch.bfloat16 else ""
+
+
+def attention_rows(
+    reference, ours, cpu, iterations: int, dtype: torch.dtype = torch.float32
+) -> list[tuple[str, float, float]]:
     rows = []
-    for batch_size, context in ((1, 128), (1, 2048), (16, 256), (64, 150), (64, 1024)):
-        batch, query, key, value, kv_cache = decode_step(batch_size, context)
+    label = dtype_label(dtype)
+    for batch_size, context in DECODE_SHAPES[dtype]:
+        batch, query, key, value, kv_cache = decode_step(batch_size, context, dtype)
         reference_metadata = reference.build_metadata(batch, BLOCK, cpu)
         our_metadata = ours.build_metadata(batch, BLOCK, cpu)
         rows.append(
             (
-                f"decode attention {batch_size} x ctx {context}",
+                f"{label}decode attention {batch_size} x ctx {context}",
                 time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
                 time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
             )
         )
     for num_chunks, query_len, context in ((8, 64, 0), (8, 64, 200), (1, 512, 256), (1, 16, 1000), (1, 128, 1000)):
-        batch, query, key, value, kv_cache = prefill_step(num_chunks, query_len, context)
+        batch, query, key, value, kv_cache = prefill_step(num_chunks, query_len, context, dtype)
         reference_metadata = reference.build_metadata(batch, BLOCK, cpu)
         our_metadata = ours.build_metadata(batch, BLOCK, cpu)
         our_metadata.prefill.fits_kernel = True
-        rows.append(
-            (
-                f"prefill {num_chunks} x {query_len} after {context}",
-                time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
-                time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
+        # Our kernel for every dtype it reads, bf16 included (the backend sends bf16 chunks to SDPA).
+        routed_dtypes = cpu_backend.PREFILL_KERNEL_DTYPES
+        cpu_backend.PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+        try:
+            rows.append(
+                (
+                    f"{label}prefill {num_chunks} x {query_len} after {context}",
+                    time_us(partial(reference.forward, query, key, value, kv_cache, reference_metadata), iterations),
+                    time_us(partial(ours.forward, query, key, value, kv_cache, our_metadata), iterations),
+                )
             )
-        )
+        finally:
+            cpu_backend.PREFILL_KERNEL_DTYPES = routed_dtypes
     return rows
 
 
-def layer_op_rows(iterations: int) -> list[tuple[str, float, float]]:
+def layer_op_rows(iterations: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, float, float]]:
     ops = load_cpu_ops()
     rows = []
+    label = dtype_label(dtype)
     for tokens in (1, 64, 512):
         # Normalised rows and a unit weight keep the in-place op's repeated calls in range.
-        x, residual, weight = torch.randn(tokens, HIDDEN) * 0.01, torch.randn(tokens, HIDDEN), torch.ones(HIDDEN)
+        x, residual = (torch.randn(tokens, HIDDEN) * 0.01).to(dtype), torch.randn(tokens, HIDDEN, dtype=dtype)
+        weight = torch.ones(HIDDEN, dtype=dtype)
         rows.append(
             (
-                f"add + RMSNorm, {tokens} tokens",
+                f"{label}add + RMSNorm, {tokens} tokens",
                 time_us(partial(add_then_norm, x, residual, weight), iterations),
                 time_us(partial(ops.fused_add_rms_norm, x, residual, weight, 1e-5), iterations),
             )
         )
-        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype)
         query = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         key = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
         angles = torch.rand(tokens, 1, HEAD_DIM // 2)
         cos, sin = angles.cos(), angles.sin()
         rows.append(
             (
-                f"rotary, {tokens} tokens",
+                f"{label}rotary, {tokens} tokens",
                 time_us(partial(fused_ops.rotary_reference, query, key, cos, sin, HEAD_DIM // 2), iterations),
                 time_us(partial(ops.rotary_embedding, query, key, cos, sin), iterations),
             )
         )
-        gate_up = torch.randn(tokens, 2 * INTERMEDIATE)
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=dtype)
         rows.append(
             (
-                f"SiLU-and-mul, {tokens} tokens",
+                f"{label}SiLU-and-mul, {tokens} tokens",
                 time_us(partial(torch_silu_and_mul, gate_up), iterations),
                 time_us(partial(fused_ops.silu_and_mul, gate_up), iterations),
             )

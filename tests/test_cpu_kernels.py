@@ -178,7 +178,7 @@ def random_prefill_case(
         (4, 2, 64, 16, 13, torch.float32),  # windows starting inside a block, a key tile and a query tile
         (6, 2, 48, 16, 40, torch.float32),
         (6, 2, 18, 16, None, torch.float32),  # no vector path: the SDPA fallback
-        (4, 1, 64, 16, None, torch.bfloat16),  # fp32 kernel only: the SDPA fallback
+        (4, 1, 64, 16, None, torch.bfloat16),
     ],
 )
 def test_prefill_attention_matches_torch_backend(
@@ -638,3 +638,121 @@ def test_packed_cpu_linears_match_torch_and_every_projection_is_packed() -> None
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
     assert all(module.panel_weight is not None and module.packed_weight is None for module in modules)
     assert all(module.linear_method.ops is not None for module in modules)
+
+
+# --- bf16: rows widened to fp32 lanes, fp32 math, each output rounded once ------------------------------------------
+
+# Round-to-nearest on bf16's 8 significant bits: at most half a unit in the last place, 2^-8 of the value.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP32_MATH_SLACK = 2.0**-20  # fp32 products, sums and exp_lanes, relative: far below one bf16 unit
+
+
+def assert_rounded_once_from(actual: torch.Tensor, exact: torch.Tensor, accumulation_atol: float) -> None:
+    """bf16 `actual` is `exact` (fp64 over the same bf16 inputs) rounded once: within half a bf16 ulp of it, plus
+    what fp32 math can add (relative, and absolute where sums cancel)."""
+    assert actual.dtype == torch.bfloat16
+    error = (actual.double() - exact).abs()
+    allowed = (BF16_UNIT_ROUNDOFF + FP32_MATH_SLACK) * exact.abs() + accumulation_atol
+    assert (error <= allowed).all(), f"worst excess {(error - allowed).max().item():.3g}"
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"),
+    [
+        (9, 3, 64, 16, None),  # SmolLM2: a KV head's three query heads in one pass
+        (8, 2, 128, 32, None),  # one query head at a time
+        (4, 4, 64, 16, 20),  # a window starting inside a block
+        (6, 2, 48, 16, None),  # 3 vectors of 16 lanes (or 6 of 8): the general loop's vector rows
+        (6, 2, 18, 16, None),  # head_dim not a multiple of any vector width: scalar
+    ],
+)
+def test_bf16_decode_attention_is_the_exact_result_rounded_once(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int | None
+) -> None:
+    generator = torch.Generator().manual_seed(num_heads * 10 + head_dim)
+    seq_lens = [1, block_size - 1, block_size + 1, 3 * block_size + 5, 100, 300]
+    batch, query, key, value, kv_cache = random_decode_case(
+        generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    ours = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    actual = ours.forward(query, key, value, kv_cache, ours.build_metadata(batch, block_size, CPU))
+    assert actual.dtype == torch.bfloat16
+    exact = paged_attention_reference(
+        query, kv_cache, batch.block_tables, seq_lens, [1] * len(seq_lens), ours.scale, sliding_window, None
+    )
+    assert_rounded_once_from(actual.view_as(query), exact, accumulation_atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"),
+    [(9, 3, 64, 16, None), (8, 2, 128, 32, None), (4, 1, 32, 5, None), (4, 2, 64, 16, 13)],
+)
+def test_bf16_prefill_kernel_is_the_exact_result_rounded_once(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, sliding_window: int | None
+) -> None:
+    """The kernel's bf16 path, called directly: the backend sends bf16 chunks to SDPA (PREFILL_KERNEL_DTYPES)."""
+    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
+    query_lens, context_lens = [1, 15, 16, 17, 40, 3], [0, 0, 7, 0, 50, block_size]
+    batch, query, key, value, kv_cache = random_prefill_case(
+        generator, [], query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    ops, backend = load_cpu_ops(), CpuAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window)
+    chunks = backend.build_metadata(batch, block_size, CPU).prefill
+    ops.reshape_and_cache(key, value, kv_cache[0], kv_cache[1], torch.tensor(batch.slot_mapping))
+    actual = torch.empty_like(query)
+    ops.paged_prefill_attention(
+        actual,
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        chunks.block_tables,
+        chunks.query_starts,
+        chunks.seq_lens,
+        backend.scale,
+        sliding_window or 0,
+    )
+    seq_lens = [context + length for context, length in zip(context_lens, query_lens, strict=True)]
+    exact = paged_attention_reference(
+        query, kv_cache, batch.block_tables, seq_lens, query_lens, backend.scale, sliding_window, None
+    )
+    assert_rounded_once_from(actual, exact, accumulation_atol=1e-5)
+
+
+def test_bf16_rounding_is_torchs_to_nearest_even_including_specials() -> None:
+    """The residual sum of fused_add_rms_norm is one bf16 rounding of an exact fp32 sum: torch's value exactly (NaN
+    where torch's is, whatever its payload), overflow to infinity included."""
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(33, 576, generator=generator).to(torch.bfloat16)
+    residual = (torch.randn(33, 576, generator=generator) * 300).to(torch.bfloat16)
+    # Specials and huge values in one row (its norm is NaN, checked only for the residual).
+    x[0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38])
+    residual[0, :5] = torch.tensor([1.0, 1.0, 1.0, 3.0e38, -3.0e38])
+    expected = x + residual
+    out, summed = fused_ops.fused_add_rms_norm(x.clone(), residual.clone(), torch.ones(576, dtype=torch.bfloat16), 1e-5)
+    torch.testing.assert_close(summed, expected, atol=0, rtol=0, equal_nan=True)
+    assert torch.isfinite(out[1:]).all()
+
+
+def test_bf16_rotary_and_silu_round_the_fp32_result_once() -> None:
+    generator = torch.Generator().manual_seed(9)
+    tokens, heads, kv_heads, head_dim = 13, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(torch.bfloat16)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=generator) * 100
+    cos, sin = angles.cos(), angles.sin()
+    views = (
+        lambda rows: rows[:, : heads * head_dim].view(tokens, heads, head_dim),
+        lambda rows: rows[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim),
+    )
+    exact = qkv.double()
+    half = head_dim // 2
+    for view in views:
+        x = view(exact)
+        x1, x2 = x[..., :half].clone(), x[..., half:].clone()
+        x[..., :half], x[..., half:] = x1 * cos.double() - x2 * sin.double(), x2 * cos.double() + x1 * sin.double()
+    fused_ops.apply_rotary(views[0](qkv), views[1](qkv), cos, sin)
+    assert_rounded_once_from(qkv, exact, accumulation_atol=1e-6)
+
+    gate_up = (torch.randn(7, 2 * 1537, generator=generator) * 8).to(torch.bfloat16)  # 1537: a scalar tail
+    gate_up[0, :6] = torch.tensor([-200.0, -90.0, -20.0, 0.0, 90.0, 200.0])
+    gate, up = gate_up[:, :1537].double(), gate_up[:, 1537:].double()
+    assert_rounded_once_from(fused_ops.silu_and_mul(gate_up), gate * torch.sigmoid(gate) * up, accumulation_atol=1e-6)

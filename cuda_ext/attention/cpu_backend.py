@@ -1,9 +1,9 @@
 """Paged attention on CPU with our C++ kernels: the default CPU backend when they compile.
 
 Decodes (one query token each) run `paged_decode_attention`, prefill chunks `paged_prefill_attention`; both read
-every request's KV blocks in place. Steps with a prefill chunk past PREFILL_KERNEL_MAX_KEYS keys, and other dtypes
-or head sizes, keep the torch backend's padded-group SDPA for their prefill chunks. The KV write is one C++ call per
-layer.
+every request's KV blocks in place (decode in fp32 or bf16, fp32 math). Steps with a prefill chunk past
+PREFILL_KERNEL_MAX_KEYS keys, and other dtypes than PREFILL_KERNEL_DTYPES or head sizes, keep the torch backend's
+padded-group SDPA for their prefill chunks. The KV write is one C++ call per layer.
 
 The metadata is shared by all layers of a step: each layer passes its own window, scale and soft cap to the
 kernels (a soft cap of 0 is none), and the SDPA fallback's groups make one mask per window.
@@ -23,6 +23,9 @@ from cuda_ext.cpu_ops import load_cpu_ops
 # key runs SDPA's GEMM tiles beat our flash loop, over short ones its padding and masking cost more (see the prefill
 # rows of `benchmarks/bench_cpu_kernels.py`).
 PREFILL_KERNEL_MAX_KEYS = 256
+# The dtypes whose prefill chunks run our kernel. It reads bf16 too (widened to fp32 lanes), but SDPA's bf16 path beat
+# it on every bf16 prefill row of `benchmarks/bench_cpu_kernels.py` where measured: bf16 and fp16 chunks take SDPA.
+PREFILL_KERNEL_DTYPES = (torch.float32,)
 # The kernel's cache row offsets are 32-bit.
 PREFILL_KERNEL_MAX_CACHE_ELEMENTS = 2**31 - 1
 
@@ -151,7 +154,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if (
             prefill.fits_kernel
             and self.prefill_kernel_head_dim
-            and query.dtype == torch.float32
+            and query.dtype in PREFILL_KERNEL_DTYPES
             and kv_cache[0].numel() <= PREFILL_KERNEL_MAX_CACHE_ELEMENTS
         ):
             prefill_query = query[num_decodes:]

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_lanes.h"
 #include "checks.h"
 #include "parallel.h"
 #include "simd.h"
@@ -43,6 +44,23 @@ inline float dot_row<float>(const float* query, const float* key, int64_t head_d
   return sum_lanes(sum);
 }
 
+// bf16 keys widened to fp32 lanes where head_dim allows; the same sums as the fp32 row.
+template <>
+inline float dot_row<c10::BFloat16>(const float* query, const c10::BFloat16* key, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dot += query[d] * static_cast<float>(key[d]);
+    }
+    return dot;
+  }
+  Lanes sum = {};
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    sum += load_lanes(query + d) * widen_bf16_lanes(key + d);
+  }
+  return sum_lanes(sum);
+}
+
 template <typename scalar_t>
 inline void add_scaled_row(float* accumulator, float weight, const scalar_t* value, int64_t head_dim) {
   for (int64_t d = 0; d < head_dim; ++d) {
@@ -60,6 +78,20 @@ inline void add_scaled_row<float>(float* accumulator, float weight, const float*
   }
   for (int64_t d = 0; d < head_dim; d += kLanes) {
     store_lanes(accumulator + d, load_lanes(accumulator + d) + weight * load_lanes(value + d));
+  }
+}
+
+template <>
+inline void add_scaled_row<c10::BFloat16>(float* accumulator, float weight, const c10::BFloat16* value,
+                                          int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      accumulator[d] += weight * static_cast<float>(value[d]);
+    }
+    return;
+  }
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    store_lanes(accumulator + d, load_lanes(accumulator + d) + weight * widen_bf16_lanes(value + d));
   }
 }
 
@@ -154,8 +186,9 @@ inline void sum_each_lanes(const Lanes* partials, float* sums) {
 }
 
 // Steps through one request's cached rows of one KV head in token order, with no division per row.
+template <typename scalar_t>
 struct CacheRowCursor {
-  const float* cache;
+  const scalar_t* cache;
   const int32_t* table;
   int64_t block_size;
   int64_t block_stride;
@@ -163,7 +196,7 @@ struct CacheRowCursor {
   int64_t block;
   int64_t offset;
 
-  const float* row() const {
+  const scalar_t* row() const {
     return cache + table[block] * block_stride + offset * token_stride;
   }
   void next() {
@@ -179,7 +212,7 @@ struct CacheRowCursor {
 constexpr int64_t kPrefetchRows = 16;
 
 // Asks L2 for one cache row of `row_bytes` (its 64-byte lines).
-inline void prefetch_row(const float* row, int64_t row_bytes) {
+inline void prefetch_row(const void* row, int64_t row_bytes) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t line = 0; line < row_bytes; line += 64) {
     _mm_prefetch(bytes + line, _MM_HINT_T1);
@@ -187,7 +220,9 @@ inline void prefetch_row(const float* row, int64_t row_bytes) {
 }
 
 // The first `count` rows of a head's keys and values into L2: what the head after the current one reads first.
-inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int64_t count, int64_t row_bytes) {
+template <typename scalar_t>
+inline void prefetch_head_start(CacheRowCursor<scalar_t> keys, CacheRowCursor<scalar_t> values, int64_t count,
+                                int64_t row_bytes) {
   for (int64_t i = 0; i < count; ++i, keys.next(), values.next()) {
     prefetch_row(keys.row(), row_bytes);
     prefetch_row(values.row(), row_bytes);
@@ -196,8 +231,9 @@ inline void prefetch_head_start(CacheRowCursor keys, CacheRowCursor values, int6
 
 // Key rows asked of L2 one at a time, up to the last: a head's ahead of its dot products, or the next work item's
 // during the current item's value pass. Default-constructed it asks for nothing.
+template <typename scalar_t>
 struct KeyRowsAhead {
-  CacheRowCursor cursor;
+  CacheRowCursor<scalar_t> cursor;
   int64_t row_bytes;
   int64_t left;  // 0: nothing (more) to ask for
 
@@ -210,31 +246,32 @@ struct KeyRowsAhead {
   }
 };
 
-// One fp32 head of decode attention with head_dim = kChunks * kLanes: the query and the output accumulators
-// live in registers, dot products go a tile of keys at a time. `scores` holds num_keys rounded up to a tile.
+// One head of decode attention with head_dim = kChunks * kLanes, fp32 or bf16 (widened on load, fp32 math, the
+// output rounded once): the query and the output accumulators live in registers, dot products go a tile of keys at
+// a time. `scores` holds num_keys rounded up to a tile.
 // `fetch_ahead`: the first head of its KV head's group, which reads the rows from memory (the others find them in
 // cache); it asks for each key row kPrefetchRows ahead of its dot product and for each value row meanwhile.
 // `next_item`: key rows to ask for during the value pass (the next group's, for a group's last head). soft_cap > 0
 // caps the scores once all are in.
-template <int64_t kChunks>
+template <int64_t kChunks, typename scalar_t>
 void attend_head_lanes(
-    const float* query,
+    const scalar_t* query,
     float scale,
     float soft_cap,
-    CacheRowCursor keys,
-    CacheRowCursor values,
+    CacheRowCursor<scalar_t> keys,
+    CacheRowCursor<scalar_t> values,
     int64_t num_keys,
     float* scores,
-    float* output,
+    scalar_t* output,
     bool fetch_ahead,
-    KeyRowsAhead next_item) {
+    KeyRowsAhead<scalar_t> next_item) {
   Lanes scaled_query[kChunks];
   for (int64_t c = 0; c < kChunks; ++c) {
-    scaled_query[c] = load_lanes(query + c * kLanes) * scale;
+    scaled_query[c] = load_row_lanes(query + c * kLanes) * scale;
   }
-  constexpr int64_t kRowBytes = kChunks * kLanes * sizeof(float);
-  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
-  CacheRowCursor values_ahead = values;
+  constexpr int64_t kRowBytes = kChunks * kLanes * sizeof(scalar_t);
+  KeyRowsAhead<scalar_t> keys_ahead{keys, kRowBytes, num_keys};
+  CacheRowCursor<scalar_t> values_ahead = values;
   if (fetch_ahead) {
     for (int64_t i = 0; i < kPrefetchRows; ++i) {
       keys_ahead.ask_for_next();
@@ -251,10 +288,10 @@ void attend_head_lanes(
       }
     }
     for (int64_t i = 0; i < count; ++i, keys.next()) {
-      const float* row = keys.row();
-      Lanes dot = scaled_query[0] * load_lanes(row);
+      const scalar_t* row = keys.row();
+      Lanes dot = scaled_query[0] * load_row_lanes(row);
       for (int64_t c = 1; c < kChunks; ++c) {
-        dot += scaled_query[c] * load_lanes(row + c * kLanes);
+        dot += scaled_query[c] * load_row_lanes(row + c * kLanes);
       }
       partials[i] = dot;
     }
@@ -274,19 +311,19 @@ void attend_head_lanes(
   for (; key + kStreams <= num_keys; key += kStreams) {
     for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
       next_item.ask_for_next();
-      const float* row = values.row();
+      const scalar_t* row = values.row();
       const Lanes weight = broadcast(scores[key + stream]);
       for (int64_t c = 0; c < kChunks; ++c) {
-        accumulators[stream][c] += weight * load_lanes(row + c * kLanes);
+        accumulators[stream][c] += weight * load_row_lanes(row + c * kLanes);
       }
     }
   }
   for (; key < num_keys; ++key, values.next()) {
     next_item.ask_for_next();
-    const float* row = values.row();
+    const scalar_t* row = values.row();
     const Lanes weight = broadcast(scores[key]);
     for (int64_t c = 0; c < kChunks; ++c) {
-      accumulators[0][c] += weight * load_lanes(row + c * kLanes);
+      accumulators[0][c] += weight * load_row_lanes(row + c * kLanes);
     }
   }
   for (int64_t c = 0; c < kChunks; ++c) {
@@ -294,25 +331,27 @@ void attend_head_lanes(
     for (int64_t stream = 1; stream < kStreams; ++stream) {
       total += accumulators[stream][c];
     }
-    store_lanes(output + c * kLanes, total * inverse_sum);
+    store_row_lanes(output + c * kLanes, total * inverse_sum);
   }
 }
 
-using AttendHeadLanes = void (*)(const float*, float, float, CacheRowCursor, CacheRowCursor, int64_t, float*, float*,
-                                 bool, KeyRowsAhead);
+template <typename scalar_t>
+using AttendHeadLanes = void (*)(const scalar_t*, float, float, CacheRowCursor<scalar_t>, CacheRowCursor<scalar_t>,
+                                 int64_t, float*, scalar_t*, bool, KeyRowsAhead<scalar_t>);
 
-// The register-resident fp32 path for this head_dim, or nullptr (the general loop runs instead).
-inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
+// The register-resident path for this head_dim, or nullptr (the general loop runs instead).
+template <typename scalar_t>
+inline AttendHeadLanes<scalar_t> attend_head_lanes_for(int64_t head_dim) {
   if (head_dim % kLanes != 0) {
     return nullptr;
   }
   switch (head_dim / kLanes) {
     case 4:
-      return attend_head_lanes<4>;
+      return attend_head_lanes<4, scalar_t>;
     case 8:
-      return attend_head_lanes<8>;
+      return attend_head_lanes<8, scalar_t>;
     case 16:
-      return attend_head_lanes<16>;
+      return attend_head_lanes<16, scalar_t>;
     default:
       return nullptr;
   }
@@ -324,20 +363,21 @@ inline AttendHeadLanes attend_head_lanes_for(int64_t head_dim) {
 // output). `scores` holds kGroup rows of num_keys rounded up to a tile; query and output are the group's heads,
 // contiguous. Asks for each key row kPrefetchRows ahead and each value row meanwhile, and for `next_item`'s key
 // rows during the value pass.
-template <int64_t kChunks, int64_t kGroup>
-void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRowCursor keys, CacheRowCursor values,
-                        int64_t num_keys, float* scores, float* output, KeyRowsAhead next_item) {
+template <int64_t kChunks, int64_t kGroup, typename scalar_t>
+void attend_group_lanes(const scalar_t* query, float scale, float soft_cap, CacheRowCursor<scalar_t> keys,
+                        CacheRowCursor<scalar_t> values, int64_t num_keys, float* scores, scalar_t* output,
+                        KeyRowsAhead<scalar_t> next_item) {
   constexpr int64_t kHeadDim = kChunks * kLanes;
   Lanes scaled_query[kGroup][kChunks];
   for (int64_t h = 0; h < kGroup; ++h) {
     for (int64_t c = 0; c < kChunks; ++c) {
-      scaled_query[h][c] = load_lanes(query + h * kHeadDim + c * kLanes) * scale;
+      scaled_query[h][c] = load_row_lanes(query + h * kHeadDim + c * kLanes) * scale;
     }
   }
   const int64_t score_stride = num_keys + kKeyTile;
-  constexpr int64_t kRowBytes = kHeadDim * sizeof(float);
-  KeyRowsAhead keys_ahead{keys, kRowBytes, num_keys};
-  CacheRowCursor values_ahead = values;
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
+  KeyRowsAhead<scalar_t> keys_ahead{keys, kRowBytes, num_keys};
+  CacheRowCursor<scalar_t> values_ahead = values;
   for (int64_t i = 0; i < kPrefetchRows; ++i) {
     keys_ahead.ask_for_next();
   }
@@ -350,16 +390,16 @@ void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRo
       prefetch_row(values_ahead.row(), kRowBytes);
     }
     // The tile's rows come from memory for the first head and from L1 for the others.
-    const float* rows[kKeyTile];
+    const scalar_t* rows[kKeyTile];
     for (int64_t i = 0; i < count; ++i, keys.next()) {
       rows[i] = keys.row();
     }
     for (int64_t h = 0; h < kGroup; ++h) {
       Lanes partials[kKeyTile] = {};
       for (int64_t i = 0; i < count; ++i) {
-        Lanes dot = scaled_query[h][0] * load_lanes(rows[i]);
+        Lanes dot = scaled_query[h][0] * load_row_lanes(rows[i]);
         for (int64_t c = 1; c < kChunks; ++c) {
-          dot += scaled_query[h][c] * load_lanes(rows[i] + c * kLanes);
+          dot += scaled_query[h][c] * load_row_lanes(rows[i] + c * kLanes);
         }
         partials[i] = dot;
       }
@@ -383,9 +423,9 @@ void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRo
   for (; key + kStreams <= num_keys; key += kStreams) {
     for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
       next_item.ask_for_next();
-      const float* row = values.row();
+      const scalar_t* row = values.row();
       for (int64_t c = 0; c < kChunks; ++c) {
-        const Lanes chunk = load_lanes(row + c * kLanes);
+        const Lanes chunk = load_row_lanes(row + c * kLanes);
         for (int64_t h = 0; h < kGroup; ++h) {
           accumulators[h][stream][c] += broadcast(scores[h * score_stride + key + stream]) * chunk;
         }
@@ -394,9 +434,9 @@ void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRo
   }
   for (; key < num_keys; ++key, values.next()) {
     next_item.ask_for_next();
-    const float* row = values.row();
+    const scalar_t* row = values.row();
     for (int64_t c = 0; c < kChunks; ++c) {
-      const Lanes chunk = load_lanes(row + c * kLanes);
+      const Lanes chunk = load_row_lanes(row + c * kLanes);
       for (int64_t h = 0; h < kGroup; ++h) {
         accumulators[h][0][c] += broadcast(scores[h * score_stride + key]) * chunk;
       }
@@ -408,43 +448,45 @@ void attend_group_lanes(const float* query, float scale, float soft_cap, CacheRo
       for (int64_t stream = 1; stream < kStreams; ++stream) {
         total += accumulators[h][stream][c];
       }
-      store_lanes(output + h * kHeadDim + c * kLanes, total * inverse_sum[h]);
+      store_row_lanes(output + h * kHeadDim + c * kLanes, total * inverse_sum[h]);
     }
   }
 }
 
-using AttendGroupLanes = void (*)(const float*, float, float, CacheRowCursor, CacheRowCursor, int64_t, float*,
-                                  float*, KeyRowsAhead);
+template <typename scalar_t>
+using AttendGroupLanes = void (*)(const scalar_t*, float, float, CacheRowCursor<scalar_t>, CacheRowCursor<scalar_t>,
+                                  int64_t, float*, scalar_t*, KeyRowsAhead<scalar_t>);
 
-template <int64_t kChunks>
-inline AttendGroupLanes attend_group_lanes_of(int64_t group) {
+template <int64_t kChunks, typename scalar_t>
+inline AttendGroupLanes<scalar_t> attend_group_lanes_of(int64_t group) {
   switch (group) {
     case 1:
-      return attend_group_lanes<kChunks, 1>;
+      return attend_group_lanes<kChunks, 1, scalar_t>;
     case 2:
-      return attend_group_lanes<kChunks, 2>;
+      return attend_group_lanes<kChunks, 2, scalar_t>;
     case 3:
-      return attend_group_lanes<kChunks, 3>;
+      return attend_group_lanes<kChunks, 3, scalar_t>;
     case 4:
-      return attend_group_lanes<kChunks, 4>;
+      return attend_group_lanes<kChunks, 4, scalar_t>;
     default:
       return nullptr;
   }
 }
 
-// The one-pass fp32 path for this head_dim and group size, or nullptr: query heads and accumulators of the whole
-// group must fit the registers (kChunks * group up to 16 vectors).
-inline AttendGroupLanes attend_group_lanes_for(int64_t head_dim, int64_t group) {
+// The one-pass path for this head_dim and group size, or nullptr: query heads and accumulators of the whole group
+// must fit the registers (kChunks * group up to 16 vectors).
+template <typename scalar_t>
+inline AttendGroupLanes<scalar_t> attend_group_lanes_for(int64_t head_dim, int64_t group) {
   if (head_dim % kLanes != 0) {
     return nullptr;
   }
   switch (head_dim / kLanes) {
     case 4:
-      return attend_group_lanes_of<4>(group);
+      return attend_group_lanes_of<4, scalar_t>(group);
     case 8:
-      return group <= 2 ? attend_group_lanes_of<8>(group) : nullptr;
+      return group <= 2 ? attend_group_lanes_of<8, scalar_t>(group) : nullptr;
     case 16:
-      return group == 1 ? attend_group_lanes_of<16>(group) : nullptr;
+      return group == 1 ? attend_group_lanes_of<16, scalar_t>(group) : nullptr;
     default:
       return nullptr;
   }
@@ -476,9 +518,9 @@ void decode_attention_kernel(
   const auto first_key = [sliding_window](int64_t seq_len) {
     return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
   };
-  // Request `seq`'s rows of one KV head in `base` (the fp32 key or value cache), from key `first` on.
-  const auto kv_rows = [&](int64_t seq, int64_t kv_head, int64_t first, const auto* base) {
-    return CacheRowCursor{base + kv_head * head_dim,
+  // Request `seq`'s rows of one KV head in `base` (the key or value cache), from key `first` on.
+  const auto kv_rows = [&](int64_t seq, int64_t kv_head, int64_t first, const scalar_t* base) {
+    return CacheRowCursor<scalar_t>{base + kv_head * head_dim,
                           cache.block_tables + seq * cache.max_blocks,
                           cache.block_size,
                           cache.block_stride,
@@ -491,19 +533,20 @@ void decode_attention_kernel(
     const int64_t seq_first = first_key(seq_lens[seq]);
     prefetch_head_start(kv_rows(seq, kv_head, seq_first, keys), kv_rows(seq, kv_head, seq_first, values),
                         std::min(kPrefetchRows, seq_lens[seq] - seq_first),
-                        head_dim * static_cast<int64_t>(sizeof(float)));
+                        head_dim * static_cast<int64_t>(sizeof(scalar_t)));
   };
   // The key rows of request `seq`'s KV head `kv_head`, for the item before it to ask for during its value pass
   // (its own rows come from L2 by then), so memory stays busy in both passes.
   const auto next_item_rows = [&](int64_t seq, int64_t kv_head, const auto* keys) {
     const int64_t seq_first = first_key(seq_lens[seq]);
-    return KeyRowsAhead{kv_rows(seq, kv_head, seq_first, keys), head_dim * static_cast<int64_t>(sizeof(float)),
-                        seq_lens[seq] - seq_first};
+    return KeyRowsAhead<scalar_t>{kv_rows(seq, kv_head, seq_first, keys),
+                                  head_dim * static_cast<int64_t>(sizeof(scalar_t)), seq_lens[seq] - seq_first};
   };
-  AttendHeadLanes attend_lanes = nullptr;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    attend_lanes = attend_head_lanes_for(head_dim);
-    if (const AttendGroupLanes attend_group = attend_group_lanes_for(head_dim, group); attend_group != nullptr) {
+  AttendHeadLanes<scalar_t> attend_lanes = nullptr;
+  if constexpr (kRowLanes<scalar_t>) {
+    attend_lanes = attend_head_lanes_for<scalar_t>(head_dim);
+    if (const AttendGroupLanes<scalar_t> attend_group = attend_group_lanes_for<scalar_t>(head_dim, group);
+        attend_group != nullptr) {
       // One work item per (request, KV head): its group of query heads in one pass over the rows.
       parallel_claims(num_seqs * num_kv_heads, work_per_head * group, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
@@ -513,7 +556,7 @@ void decode_attention_kernel(
           const int64_t first = first_key(seq_lens[seq]);
           const int64_t num_keys = seq_lens[seq] - first;
           scores.resize(group * (num_keys + kKeyTile));
-          KeyRowsAhead next_item{};
+          KeyRowsAhead<scalar_t> next_item{};
           if (item + 1 < end) {
             prefetch_start_of((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys, cache.values);
             next_item = next_item_rows((item + 1) / num_kv_heads, (item + 1) % num_kv_heads, cache.keys);
@@ -541,10 +584,10 @@ void decode_attention_kernel(
       scores.resize(num_keys + kKeyTile);
       const int64_t kv_offset = (head / group) * head_dim;
       const scalar_t* head_query = query + seq * query_stride + head * head_dim;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (kRowLanes<scalar_t>) {
         if (attend_lanes != nullptr) {
-          const CacheRowCursor keys = kv_rows(seq, head / group, first, cache.keys);
-          const CacheRowCursor values = kv_rows(seq, head / group, first, cache.values);
+          const CacheRowCursor<scalar_t> keys = kv_rows(seq, head / group, first, cache.keys);
+          const CacheRowCursor<scalar_t> values = kv_rows(seq, head / group, first, cache.values);
           const bool group_leader = head % group == 0;
           if (group_leader && item + group < end) {
             // The next group's first rows come in while this group's heads compute.
@@ -552,7 +595,7 @@ void decode_attention_kernel(
             prefetch_start_of(next / num_heads, (next % num_heads) / group, cache.keys, cache.values);
           }
           // The group's last head reads the rows from L2: memory meanwhile brings the next group's keys.
-          KeyRowsAhead next_item{};
+          KeyRowsAhead<scalar_t> next_item{};
           if (head % group == group - 1 && item + 1 < end) {
             next_item = next_item_rows((item + 1) / num_heads, ((item + 1) % num_heads) / group, cache.keys);
           }
@@ -611,13 +654,56 @@ constexpr int64_t kPrefillTile = 16;
 // Query rows scored and accumulated together: each key or value vector is loaded once for all of them.
 constexpr int64_t kRowBlock = 4;
 
-// Prefill chunks (fp32, head_dim a multiple of kLanes) over the paged cache, their own new keys included (written
-// first): flash-style, a tile of kLanes keys at a time with an online softmax, so no score matrix, gathered copy
-// of the cache or mask tensor is ever built. One work item per (request, tile of query tokens, KV head).
+// The kLanes keys at `row_offsets` (elements into `keys`) transposed into `keys_t`: a row of kLanes keys per
+// dimension, as fp32.
+inline void transpose_key_tile(const float* keys, const int32_t* row_offsets, int64_t head_dim, float* keys_t) {
+#if defined(__AVX512F__)
+  // One gather per dimension: kLanes rows, each in its own cache block.
+  const __m512i gather_offsets = _mm512_load_si512(row_offsets);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    _mm512_storeu_ps(keys_t + d * kLanes, _mm512_i32gather_ps(gather_offsets, keys + d, 4));
+  }
+#else
+  for (int64_t i = 0; i < kLanes; ++i) {
+    const float* key_row = keys + row_offsets[i];
+    for (int64_t d = 0; d < head_dim; ++d) {
+      keys_t[d * kLanes + i] = key_row[d];
+    }
+  }
+#endif
+}
+
+// bf16 keys (head_dim even): one 32-bit gather per pair of dimensions, the low half of each word the first
+// dimension's bf16 and the high half the second's, each widened to fp32 by a shift or a mask.
+inline void transpose_key_tile(const c10::BFloat16* keys, const int32_t* row_offsets, int64_t head_dim,
+                               float* keys_t) {
+#if defined(__AVX512F__)
+  const __m512i gather_offsets = _mm512_load_si512(row_offsets);
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t d = 0; d < head_dim; d += 2) {
+    const __m512i pairs = _mm512_i32gather_epi32(gather_offsets, keys + d, 2);
+    _mm512_storeu_ps(keys_t + d * kLanes, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+    _mm512_storeu_ps(keys_t + (d + 1) * kLanes, _mm512_castsi512_ps(_mm512_and_si512(pairs, high_halves)));
+  }
+#else
+  for (int64_t i = 0; i < kLanes; ++i) {
+    const c10::BFloat16* key_row = keys + row_offsets[i];
+    for (int64_t d = 0; d < head_dim; ++d) {
+      keys_t[d * kLanes + i] = static_cast<float>(key_row[d]);
+    }
+  }
+#endif
+}
+
+// Prefill chunks (fp32 or bf16, head_dim a multiple of kLanes) over the paged cache, their own new keys included
+// (written first): flash-style, a tile of kLanes keys at a time with an online softmax, so no score matrix, gathered
+// copy of the cache or mask tensor is ever built. bf16 is widened on load and the math is fp32, the output rounded
+// once. One work item per (request, tile of query tokens, KV head).
+template <typename scalar_t>
 void prefill_attention_kernel(
-    const float* query,
-    const PagedCache<float>& cache,
-    float* output,
+    const scalar_t* query,
+    const PagedCache<scalar_t>& cache,
+    scalar_t* output,
     const int32_t* query_starts,
     const int32_t* seq_lens,
     int64_t num_seqs,
@@ -663,7 +749,9 @@ void prefill_attention_kernel(
     std::vector<float> keys_t(head_dim * kLanes), probabilities(padded_rows * kLanes, 0.f);
     std::vector<float> row_max(max_rows), row_sum(max_rows), accumulators(padded_rows * head_dim, 0.f);
     std::vector<const float*> query_rows(padded_rows);
-    const float* value_rows[kLanes];
+    // bf16 query rows widened once per item: the score loop reads each of them once per key tile.
+    std::vector<float> widened_queries(std::is_same_v<scalar_t, float> ? 0 : max_rows * head_dim);
+    const scalar_t* value_rows[kLanes];
     for (int64_t item = begin; item < end; ++item) {
       const auto [seq, tile_first] = tiles[item / num_kv_heads];
       const int64_t kv_head = item % num_kv_heads;
@@ -678,7 +766,16 @@ void prefill_attention_kernel(
       // Row r: token r / group of the tile, query head kv_head * group + r % group.
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t token = query_starts[seq] + tile_first + row / group;
-        query_rows[row] = query + token * query_stride + (kv_head * group + row % group) * head_dim;
+        const scalar_t* query_row = query + token * query_stride + (kv_head * group + row % group) * head_dim;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          query_rows[row] = query_row;
+        } else {
+          float* widened = widened_queries.data() + row * head_dim;
+          for (int64_t d = 0; d < head_dim; d += kLanes) {
+            store_lanes(widened + d, load_row_lanes(query_row + d));
+          }
+          query_rows[row] = widened;
+        }
       }
       for (int64_t row = num_rows; row < num_rows + kRowBlock; ++row) {
         query_rows[row] = query_rows[0];
@@ -697,20 +794,7 @@ void prefill_attention_kernel(
           row_offsets[i] = static_cast<int32_t>(row_offset);
           value_rows[i] = cache.values + row_offset;
         }
-#if defined(__AVX512F__)
-        // One gather per dimension transposes the tile: kLanes rows, each in its own cache block.
-        const __m512i gather_offsets = _mm512_load_si512(row_offsets);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          _mm512_storeu_ps(keys_t.data() + d * kLanes, _mm512_i32gather_ps(gather_offsets, cache.keys + d, 4));
-        }
-#else
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const float* key_row = cache.keys + row_offsets[i];
-          for (int64_t d = 0; d < head_dim; ++d) {
-            keys_t[d * kLanes + i] = key_row[d];
-          }
-        }
-#endif
+        transpose_key_tile(cache.keys, row_offsets, head_dim, keys_t.data());
         const IntLanes key_index = lane_index + static_cast<int32_t>(first_key);
         for (int64_t row0 = 0; row0 < num_rows; row0 += kRowBlock) {
           const float* const* rows = query_rows.data() + row0;
@@ -758,7 +842,7 @@ void prefill_attention_kernel(
               sums[b] = load_lanes(block_accumulators + b * head_dim + d);
             }
             for (int64_t i = 0; i < count; ++i) {
-              const Lanes value = load_lanes(value_rows[i] + d);
+              const Lanes value = load_row_lanes(value_rows[i] + d);
               for (int64_t b = 0; b < kRowBlock; ++b) {
                 sums[b] += broadcast(weights[b * kLanes + i]) * value;
               }
@@ -771,11 +855,11 @@ void prefill_attention_kernel(
       }
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t token = query_starts[seq] + tile_first + row / group;
-        float* out = output + token * output_stride + (kv_head * group + row % group) * head_dim;
+        scalar_t* out = output + token * output_stride + (kv_head * group + row % group) * head_dim;
         const float* accumulator = accumulators.data() + row * head_dim;
         const Lanes inverse_sum = broadcast(1.f / row_sum[row]);
         for (int64_t d = 0; d < head_dim; d += kLanes) {
-          store_lanes(out + d, load_lanes(accumulator + d) * inverse_sum);
+          store_row_lanes(out + d, load_lanes(accumulator + d) * inverse_sum);
         }
       }
     }
@@ -858,10 +942,12 @@ void paged_prefill_attention(
     double soft_cap) {
   check_paged_attention_inputs(output, query, key_cache, value_cache, block_tables, seq_lens);
   TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be 0 (off) or positive");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && output.scalar_type() == torch::kFloat32, "fp32 only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16, "fp32 or bf16 only");
+  TORCH_CHECK(output.scalar_type() == query.scalar_type(), "output and query dtypes differ");
   TORCH_CHECK(query.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
   // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
-  TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(), "cache above 2^31 floats");
+  TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(),
+              "cache above 2^31 elements");
   TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs && query_starts.size(0) == num_seqs + 1, "one table per request");
@@ -873,21 +959,25 @@ void paged_prefill_attention(
     TORCH_CHECK(query_len >= 1 && query_len <= lens[seq], "each request needs 1 .. seq_len query tokens");
     TORCH_CHECK(lens[seq] <= block_tables.size(1) * key_cache.size(1), "a block table is too short");
   }
-  prefill_attention_kernel(
-      query.data_ptr<float>(),
-      paged_cache<float>(key_cache, value_cache, block_tables),
-      output.data_ptr<float>(),
-      starts,
-      lens,
-      num_seqs,
-      query.size(1),
-      key_cache.size(2),
-      query.size(2),
-      query.stride(0),
-      output.stride(0),
-      static_cast<float>(scale),
-      sliding_window,
-      static_cast<float>(soft_cap));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
+    if constexpr (kRowLanes<scalar_t>) {
+      prefill_attention_kernel<scalar_t>(
+          query.data_ptr<scalar_t>(),
+          paged_cache<scalar_t>(key_cache, value_cache, block_tables),
+          output.data_ptr<scalar_t>(),
+          starts,
+          lens,
+          num_seqs,
+          query.size(1),
+          key_cache.size(2),
+          query.size(2),
+          query.stride(0),
+          output.stride(0),
+          static_cast<float>(scale),
+          sliding_window,
+          static_cast<float>(soft_cap));
+    }
+  });
 }
 
 }  // namespace pagedserve

@@ -24,7 +24,8 @@ struct PagedCache {
 
 // One query token per request against its cached keys: query and output rows [num_heads, head_dim] at
 // query_stride / output_stride apart; seq_lens count each request's keys; sliding_window <= 0 means none, soft_cap
-// <= 0 no capping. Other files get the fp32 instance.
+// <= 0 no capping. fp32 and bf16 run vector paths (bf16 widened on load, fp32 math, the output rounded once). Other
+// files get the fp32 instance.
 template <typename scalar_t>
 void decode_attention_kernel(
     const scalar_t* query,
@@ -55,8 +56,8 @@ void paged_decode_attention(
     int64_t sliding_window,
     double soft_cap);
 
-// Prefill chunks over the paged cache, fp32 with head_dim a multiple of vector_lanes. query and output
-// [tokens, heads, head_dim]: the chunks' tokens, request i's at rows query_starts[i] .. query_starts[i + 1];
+// Prefill chunks over the paged cache, fp32 or bf16 (fp32 math) with head_dim a multiple of vector_lanes. query and
+// output [tokens, heads, head_dim]: the chunks' tokens, request i's at rows query_starts[i] .. query_starts[i + 1];
 // block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32: cached keys plus the chunk's own, whose keys and
 // values must be in the cache already (reshape_and_cache first). sliding_window and soft_cap as in decode.
 void paged_prefill_attention(
