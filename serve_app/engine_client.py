@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 # is there but slow (a slow client, a saturated proxy) is never reaped, however long it stalls.
 ORPHAN_QUEUE_S = 120.0
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# A replica that refused a request as down gets no new ones for this long while another replica is up.
+UNAVAILABLE_BACKOFF_S = 2.0
 
 
 def unwrap_ray_error(error: BaseException) -> BaseException:
@@ -80,6 +82,8 @@ class EngineClient:
         `replica_index`: the engine replica's index in its group (what prefix routing hashes to)."""
         self.engine = engine
         self.replica_index = replica_index
+        # Until when routing passes this replica by (it refused a request as down), where another can take it.
+        self.unavailable_until = 0.0
         self.create_engine = create_engine
         self.transport = transport
         self.output_channel: OutputChannel | None = None
@@ -263,12 +267,23 @@ class EngineClient:
             # A call cancelled with its HTTP request (Serve cancels recursively) may have run all the same: abort.
             self.cancel(request_id)
             self.on_engine_error(error)
-            raise unwrap_ray_error(error) from None
+            error = unwrap_ray_error(error)
+            self._note_down(error)
+            raise error from None
         if refusal is not None:
             self._forget(request_id)  # never queued there: nothing to abort
+            self._note_down(refusal)
             raise refusal
         self.submitted.set()
         self._ensure_pump()
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.unavailable_until
+
+    def _note_down(self, error: BaseException) -> None:
+        if isinstance(error, EngineDeadError):
+            self.unavailable_until = time.monotonic() + UNAVAILABLE_BACKOFF_S
 
     async def _send_admissions(self) -> None:
         """Every request submitted since the last call, in one Ray call: a burst of arrivals (64 at once) costs a

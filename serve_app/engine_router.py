@@ -42,6 +42,8 @@ class EngineRouter:
         first `prefix_tokens` tokens (its prefix cache likely holds them), unless it is far busier than the rest.
         With no replica running (scaled to zero) the request waits for one."""
         clients = self.engines.routable() or await self.engines.wait_for_engine()
+        # A replica found down a moment ago takes nothing while another is up.
+        clients = [client for client in clients if client.available] or clients
         if len(clients) == 1:
             return clients[0]
         least_loaded = min(clients, key=lambda client: client.num_in_flight)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from configs.sampling_params import SamplingParams
+from executor.errors import EngineDeadError
 from executor.output_processor import OutputProcessor, RequestState
 from serve_app.engine_client import EngineClient
 from serve_app.engine_router import EngineRouter
@@ -48,7 +49,15 @@ class RequestRunner:
                 client = await self.router.pick(token_ids)
                 state = self.processor.add_request(request_id, prompt, token_ids, prompt_params)
                 submissions.append(Submission(request_id, prompt_index, client, state))
-                await client.submit(request_id, token_ids, prompt_params)
+                try:
+                    await client.submit(request_id, token_ids, prompt_params)
+                except EngineDeadError:
+                    # That replica is down (rebuilding, restarting): another one, if any is up, takes the prompt.
+                    retry = await self.router.pick(token_ids)
+                    if retry is client:
+                        raise
+                    submissions[-1] = Submission(request_id, prompt_index, retry, state)
+                    await retry.submit(request_id, token_ids, prompt_params)
         except BaseException as error:
             self.release(submissions)
             if isinstance(error, ValueError):

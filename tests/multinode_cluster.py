@@ -289,7 +289,7 @@ def lose_node_mid_stream(cluster: Any, base: str, doomed: list[list[int]], survi
     }
 
 
-def lose_last_room(cluster: Any, base: str, survivor: list[int]) -> dict[str, Any]:
+def lose_last_room(cluster: Any, base: str, survivor: list[int], doomed: list[int]) -> dict[str, Any]:
     """Engine 0's worker node removed while idle, with no node left that can take its worker."""
     (lost_node_id,) = engine_worker_nodes(0)
     cluster.remove_node(node_of(cluster, lost_node_id), allow_graceful=False)
@@ -297,10 +297,13 @@ def lose_last_room(cluster: Any, base: str, survivor: list[int]) -> dict[str, An
     # Down, and saying what it waits for.
     waiting = until(lambda: (h := health(base))["status"] == 503 and "waiting" in (h["message"] or "") and h, 60)
     down_seen_after_s = None if waiting is None else waiting["at"] - removed_at
+    # A prompt engine 0 owns: refused there as down, it runs on engine 1 instead (twice: the first finds it down).
+    failover = [complete(base, doomed), complete(base, doomed)]
     outage = watch_outage(base, survivor, STAYS_DOWN_S)
     return {
         "lost_node_id": lost_node_id,
         "waiting_health": waiting,
+        "failover": failover,
         "down_seen_after_s": down_seen_after_s,
         **outage,
     }
@@ -333,7 +336,7 @@ def serve_scenario(cluster: Any) -> dict[str, Any]:
         "num_rebuilds": ray.get(engine_handle(0).stats.remote(), timeout=60).num_rebuilds,
     }
     # (b) No room left: engine 0 stays down with the reason; engine 1 serves on.
-    results["no_room"] = lose_last_room(cluster, base, survivor)
+    results["no_room"] = lose_last_room(cluster, base, survivor, doomed[0])
     # A node joins: the waiting rebuild places engine 0's worker there.
     joined = cluster.add_node(num_cpus=WORKER_NODE_CPUS)
     recovery = watch_outage(base, survivor, RECOVERY_S)

@@ -13,6 +13,7 @@ import ray
 
 from configs.app_config import AppConfig, EngineAutoscalingConfig
 from serve_app.engine_autoscaler import ScalingDecider
+from serve_app.engine_router import prefix_key, prefix_owner
 from serve_app.engines import existing_engines
 
 
@@ -41,6 +42,18 @@ def test_policy_starts_from_zero_at_once_and_idles_down_to_zero():
     assert policy.target(0, current=1, now=3.0) == 0
     with pytest.raises(ValueError, match="min_replicas 3 is above max_replicas 2"):
         EngineAutoscalingConfig(min_replicas=3, max_replicas=2)
+
+
+def test_prefix_owners_move_only_to_a_new_replica_or_off_a_stopped_one():
+    keys = [prefix_key([index, index + 1, index + 2], 3) for index in range(2000)]
+    two = {key: prefix_owner(key, [0, 1]) for key in keys}
+    three = {key: prefix_owner(key, [0, 1, 2]) for key in keys}
+    moved = [key for key in keys if two[key] != three[key]]
+    # A third replica takes about a third of the prefixes, all from the others; none move between the old two.
+    assert all(three[key] == 2 for key in moved) and 500 < len(moved) < 830
+    assert {key: prefix_owner(key, [0, 2]) for key in keys if three[key] != 1} == {
+        key: owner for key, owner in three.items() if owner != 1
+    }
 
 
 def autoscaled_config(app_name: str, **autoscaling) -> AppConfig:

@@ -162,6 +162,8 @@ def test_with_no_node_left_for_it_the_engine_stays_down_saying_why_while_the_oth
     assert "waiting" in message and "1 worker bundle of {'CPU': 1.0}" in message, message
     assert all(health["status"] == 503 for health in outage["health"]), outage["health"]
     assert outage["survivor"] and all(outcome["status"] == 200 for outcome in outage["survivor"]), outage["survivor"]
+    # A prompt the down engine owns is served by the other one, not refused.
+    assert [outcome["status"] for outcome in outage["failover"]] == [200, 200], outage["failover"]
 
 
 def test_a_node_that_joins_takes_the_engine_that_waited_for_room(cluster_results):
