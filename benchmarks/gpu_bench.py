@@ -37,23 +37,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.offline_throughput import SMOLLM2_SHAPE
+
 # Not __name__: run with `python -m`, that is "__main__".
 logger = logging.getLogger("gpu_bench")
 
 ROPE_LLAMA3 = {"rope_theta": 500000.0, "rope_type": "default"}
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2": {
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 8192,
-        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-    },
+    "smollm2": {**SMOLLM2_SHAPE, "vocab_size": 49152},
     "llama3-8b": {
         "hidden_size": 4096,
         "intermediate_size": 14336,

@@ -20,6 +20,17 @@ from configs.app_config import AppConfig
 TINY_MODEL_PARAMETERS = 20_000_000
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a block: a tiny model's ops are too small to split."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class HFReference:
     """HF transformers greedy generation in fp32 on the same weights: the correctness anchor (on CPU unless told).
 
@@ -42,12 +53,8 @@ class HFReference:
         if self.device.type != "cpu" or model.num_parameters() > TINY_MODEL_PARAMETERS:
             yield
             return
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_torch_thread():
             yield
-        finally:
-            torch.set_num_threads(previous)
 
     def model(self, model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
         from transformers import AutoModelForCausalLM

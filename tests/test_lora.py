@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,23 +12,12 @@ import torch
 
 from configs.sampling_params import SamplingParams
 from executor import LLM, LoRARequest
-from tests.helpers import assert_no_leaked_blocks
+from tests.helpers import assert_no_leaked_blocks, one_torch_thread
 from tests.test_parity import random_prompts
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Tiny models on one torch thread: their ops are too small to split (see tests.helpers.HFReference)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def write_peft_adapter(base_dir: Path, directory: Path, seed: int, **lora_settings) -> Path:
@@ -55,7 +42,7 @@ def merged_greedy(base_dir: Path, adapter_dir: Path | None, prompts: list[list[i
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     model.eval()
     outputs = []
-    with torch.inference_mode(), one_thread():
+    with torch.inference_mode(), one_torch_thread():
         for prompt in prompts:
             input_ids = torch.tensor([prompt])
             generated = model.generate(
