@@ -10,7 +10,8 @@
 # the CPU instead, and the CUDA-only stages say they were skipped.
 #
 # Missing packages travel as wheels in .whl/ (installed to /tmp/site), SmolLM2's config and tokenizer as a
-# pagedserve home in .whl/pagedserve-home (its weights stay behind: every model here has random weights).
+# pagedserve home in .whl/pagedserve-home (its weights stay behind: every model here has random weights); make
+# them here with `python -m benchmarks.gpu_wheels`, then `run` this script with `carry: [".whl"]`.
 set -u
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)

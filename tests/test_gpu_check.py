@@ -87,3 +87,23 @@ def test_gpu_check_script_parses() -> None:
         ["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_trimmed_ray_wheel_keeps_the_rest_and_a_record_of_it(tmp_path):
+    import zipfile
+
+    from benchmarks.gpu_wheels import trim_wheel
+
+    source, target = tmp_path / "ray.whl", tmp_path / "trimmed.whl"
+    names = ["ray/__init__.py", "ray/serve/api.py", "ray/jars/ray.jar", "ray/rllib/algo.py", "ray/ui.js.map"]
+    record = "".join(f"{name},sha256=x,1\n" for name in names) + "ray-2.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(source, "w") as wheel:
+        for name in names:
+            wheel.writestr(name, "x")
+        wheel.writestr("ray-2.dist-info/RECORD", record)
+    trim_wheel(source, target)
+    with zipfile.ZipFile(target) as wheel:
+        kept = sorted(wheel.namelist())
+        rows = wheel.read("ray-2.dist-info/RECORD").decode().splitlines()
+    assert kept == ["ray-2.dist-info/RECORD", "ray/__init__.py", "ray/serve/api.py"]
+    assert [row.split(",")[0] for row in rows] == ["ray/__init__.py", "ray/serve/api.py", "ray-2.dist-info/RECORD"]
