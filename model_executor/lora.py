@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cuda_ext.lora_ops import add_lora
 from model_executor.layers.linear import LoRAHook, LoRASlice
 from model_executor.models.decoder import config_head_dim
 
@@ -248,32 +249,6 @@ def read_lora_adapter(
 
 
 # ----- on the workers -----
-
-
-def _add_lora_reference(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    row_slots: torch.Tensor,
-    scalings: torch.Tensor,
-) -> None:
-    """out[rows of slot s] += scalings[s] * x[rows] @ lora_a[s]^T @ lora_b[s]^T, in fp32; rows of slot -1 untouched.
-    Stand-in until `cuda_ext.lora_ops.add_lora` lands."""
-    for slot in torch.unique(row_slots).tolist():
-        if slot < 0:
-            continue
-        rows = torch.nonzero(row_slots == slot).squeeze(1)
-        shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().t()
-        delta = (shrunk @ lora_b[slot].float().t()) * scalings[slot]
-        updated = out.index_select(0, rows).float() + delta
-        out.index_copy_(0, rows, updated.to(out.dtype))
-
-
-try:
-    from cuda_ext.lora_ops import add_lora
-except ImportError:  # the batched op has not landed yet
-    add_lora = _add_lora_reference
 
 
 class LoRABatch:

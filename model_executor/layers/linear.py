@@ -207,11 +207,11 @@ class LoRASlice:
     """The projection's first row in a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj)."""
 
 
-class LoRAHook:
+class LoRAHook(ABC):
     """What a layer's `lora` does (model_executor.lora.LinearLoRA): add the step's adapter deltas to `out`."""
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def apply(self, out: torch.Tensor, x: torch.Tensor) -> None: ...
 
 
 class PackableWeight:
