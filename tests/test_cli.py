@@ -24,6 +24,8 @@ from configs.sections import CacheConfig, ModelConfig, SchedulerConfig
 
 PAGEDSERVE = Path(sys.executable).with_name("pagedserve")
 README = Path(__file__).resolve().parent.parent / "README.md"
+# The Configs table of every key lives beside the README.
+CONFIGURATION_DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 TIMEOUT_S = 120
 # A Ray that serve would start by mistake fails at once at this address instead of starting and hanging the test.
 NO_RAY_ENV = {"RAY_ADDRESS": "127.0.0.1:1"}
@@ -267,9 +269,9 @@ CONFIG_FILE_ONLY = "config file only"  # a key no flag sets (`models`: a list of
 DITTO = "″"  # a nested key's row (speculative_config.*) under the row that names its section's JSON flag
 
 
-def readme_table(section: str, header: str) -> list[list[str]]:
-    """The cells of the README table with this header row under `## {section}`."""
-    lines = README.read_text().split(f"\n## {section}", 1)[1].split("\n## ", 1)[0].splitlines()
+def readme_table(section: str, header: str, document: Path = README) -> list[list[str]]:
+    """The cells of the table with this header row under `## {section}` of `document` (the README)."""
+    lines = document.read_text().split(f"\n## {section}", 1)[1].split("\n## ", 1)[0].splitlines()
     assert header in lines, (section, header)
     rows = itertools.takewhile(lambda line: line.startswith("|"), lines[lines.index(header) + 2 :])
     cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
@@ -302,7 +304,7 @@ def test_the_readme_flag_table_is_the_parsers():
 
     documented: list[str] = []
     # The Configs table: each key's row names the flag that sets it (tests/test_configs.py checks the keys).
-    for key, _default, ours, vllms, _meaning in readme_table("Configs", CONFIGS_TABLE_HEADER):
+    for key, _default, ours, vllms, _meaning in readme_table("Configs", CONFIGS_TABLE_HEADER, CONFIGURATION_DOC):
         key, parent = key.strip("`"), key.strip("`").rsplit(".", 1)[0]
         if ours == DITTO:
             assert vllms == DITTO and parent in {key_of[flag] for flag in documented}, key

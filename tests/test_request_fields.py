@@ -295,9 +295,9 @@ def test_markdown_table_lists_every_refused_field_with_its_endpoints():
     assert "temperature" not in rows
 
 
-def test_readme_carries_the_current_refused_fields_table():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert refused_fields_markdown() in readme
+def test_the_docs_carry_the_current_refused_fields_table():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "request-fields.md").read_text()
+    assert refused_fields_markdown() in docs
 
 
 def test_user_safety_identifier_and_metadata_go_to_the_request_log_line_cut_short(caplog):
