@@ -162,10 +162,7 @@ class ServedModel:
         self.serving.adapters[name] = results[0]
 
     async def unload_adapter(self, name: str) -> None:
-        self._require_lora()
-        await self.refresh_adapters()
-        if name not in self.serving.adapters:
-            raise RequestError(404, f"no LoRA adapter named {name!r} is loaded.", "NotFoundError", "lora_name")
+        """Unload an adapter of this model (the caller found it loaded, adapters refreshed) from every replica."""
         results = await asyncio.gather(
             *(client.engine.remove_lora.remote(name) for client in self.engines.all_clients()), return_exceptions=True
         )

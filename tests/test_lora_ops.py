@@ -186,6 +186,14 @@ def test_sliced_torch_path_matches_reference(torch_form: str) -> None:
     check_sliced(use_triton=False, device=torch.device("cpu"), num_rows=40)
 
 
+def add_lora_with_kernels(out, x, lora_a, lora_b, row_slots, scalings) -> torch.Tensor:
+    """`out` plus the LoRA rows, computed by the Triton kernels on KERNEL_DEVICE (a copy of out comes back)."""
+    out_device = out.to(KERNEL_DEVICE)
+    tensors = (x, lora_a, lora_b, row_slots, scalings)
+    add_lora(out_device, *(tensor.to(KERNEL_DEVICE) for tensor in tensors), use_triton=True)
+    return out_device
+
+
 @kernels_run_here
 def test_sliced_triton_kernels_match_reference() -> None:
     check_sliced(use_triton=True, device=KERNEL_DEVICE, num_rows=20)
@@ -202,17 +210,7 @@ def test_triton_kernels_match_reference(num_rows: int, num_slots: int) -> None:
     row_slots = random_slots(num_rows, num_slots, seed=43)
     scalings = torch.tensor([2.0, 0.5, 1.5][:num_slots])
     expected = reference_add_lora(out, x, lora_a, lora_b, row_slots, scalings)
-    device = KERNEL_DEVICE
-    out_device = out.to(device)
-    add_lora(
-        out_device,
-        x.to(device),
-        lora_a.to(device),
-        lora_b.to(device),
-        row_slots.to(device),
-        scalings.to(device),
-        use_triton=True,
-    )
+    out_device = add_lora_with_kernels(out, x, lora_a, lora_b, row_slots, scalings)
     assert_close(out_device, expected)
     assert torch.equal(out_device.cpu()[row_slots < 0], out[row_slots < 0])
 
@@ -220,24 +218,13 @@ def test_triton_kernels_match_reference(num_rows: int, num_slots: int) -> None:
 @kernels_run_here
 def test_triton_kernels_in_bf16_match_reference() -> None:
     num_rows, num_slots, hidden, out_features = 9, 2, 64, 48
-    device = KERNEL_DEVICE
     lora_a, lora_b = adapter_weights(num_slots, [16, 8], hidden, out_features, seed=50, dtype=torch.bfloat16)
     x = randn(num_rows, hidden, seed=51, dtype=torch.bfloat16)
     out = randn(num_rows, out_features, seed=52, dtype=torch.bfloat16)
     row_slots = random_slots(num_rows, num_slots, seed=53)
     scalings = torch.tensor([2.0, 0.5])
     expected = reference_add_lora(out, x, lora_a, lora_b, row_slots, scalings)
-    out_device = out.to(device)
-    add_lora(
-        out_device,
-        x.to(device),
-        lora_a.to(device),
-        lora_b.to(device),
-        row_slots.to(device),
-        scalings.to(device),
-        use_triton=True,
-    )
-    assert_close(out_device, expected)
+    assert_close(add_lora_with_kernels(out, x, lora_a, lora_b, row_slots, scalings), expected)
 
 
 def test_row_grouping_sorts_rows_by_slot_with_unadapted_rows_last() -> None:
