@@ -19,7 +19,7 @@ from configs.sampling_params import SamplingParams
 from executor.client_registry import ClientRegistry
 from executor.engine_core import EngineCore, EngineOutput
 from executor.errors import EngineDeadError, EngineDrainingError, EngineOverloadedError, short_reason
-from executor.executors import RayExecutor, dead_node_ids
+from executor.executors import PLACEMENT_TIMEOUT_S, RayExecutor, dead_node_ids
 from executor.heap import freeze_startup_heap, thaw_heap
 from executor.output_router import OUTPUT_POLL_TIMEOUT_S, OutputRouter
 from executor.outputs import EngineInfo, EngineStats, EngineTopology
@@ -125,10 +125,9 @@ class EngineActor:
         # Config and tokenizer only: the workers fetch the weights on their nodes, at the commit read here.
         model_dir = resolve_configured_model(self.config.model, weights=False)
         model_info = load_model_info(model_dir, self.config, cuda_available=cluster_has_gpus)
-        if on_placement_wait is None:
-            executor = RayExecutor(self.config, model_info)
-        else:
-            executor = RayExecutor(self.config, model_info, None, on_placement_wait)
+        # A rebuild's placement waits without a deadline (the pending placement group is what an autoscaler acts on).
+        placement_timeout_s = PLACEMENT_TIMEOUT_S if on_placement_wait is None else None
+        executor = RayExecutor(self.config, model_info, placement_timeout_s, on_placement_wait)
         return EngineCore(self.config, model_info, executor, self.engine_index)
 
     async def _started(self) -> EngineCore:
