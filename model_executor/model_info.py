@@ -6,13 +6,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoConfig
 
 from configs.engine_config import EngineConfig, check_chunked_prefill_budget
 from model_executor.checkpoint_checks import check_checkpoint
+from model_executor.cpu_features import cpu_has_bf16_dot_products
 from model_executor.model_fetch import hub_commit_for
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,42 @@ def resolve_device(requested: str, cuda_available: bool | None = None) -> str:
     if requested == "cuda" and not cuda_available:
         raise ValueError("device 'cuda' was requested but no CUDA device is available")
     return requested
+
+
+class AutoDtype(NamedTuple):
+    """The precision `dtype: auto` picked, and why (the load logs both)."""
+
+    dtype_name: str
+    reason: str
+
+
+def checkpoint_dtype_name(hf_config: Any) -> str | None:
+    """The checkpoint's own precision (config.json `dtype`, or `torch_dtype` as older transformers wrote it) as one
+    of DTYPES' names; None where it names none or one we do not run."""
+    value = getattr(hf_config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return next((name for name, dtype in DTYPES.items() if dtype == value), None)
+
+
+def resolve_auto_dtype(checkpoint_dtype: str | None, device: str, cpu_has_bf16_dot: bool) -> AutoDtype:
+    """What `dtype: auto` runs, as vLLM: the checkpoint's half precision on CUDA and on CPUs with bf16 dot products
+    (fp16 as bf16 there: CPUs have no fast fp16 matmul); float32 checkpoints stay float32 on CPU (exact against HF
+    fp32) and run bfloat16 on CUDA; float32 on CPUs without bf16 dot products (bf16 would be emulated, slower)."""
+    found = f"checkpoint dtype {checkpoint_dtype or 'not given'}"
+    if device == "cuda":
+        if checkpoint_dtype in ("bfloat16", "float16"):
+            return AutoDtype(checkpoint_dtype, f"{found}, kept on CUDA")
+        return AutoDtype("bfloat16", f"{found}; CUDA runs bfloat16")
+    if not cpu_has_bf16_dot:
+        return AutoDtype("float32", f"{found}; this CPU has no bf16 dot products (AVX512-BF16 or AMX-BF16)")
+    if checkpoint_dtype == "bfloat16":
+        return AutoDtype("bfloat16", f"{found}, kept: this CPU has bf16 dot products")
+    if checkpoint_dtype == "float16":
+        return AutoDtype(
+            "bfloat16", f"{found}, run as bfloat16: float16 matmuls are slow on CPU, this one has bf16 dot products"
+        )
+    return AutoDtype("float32", f"{found}; float32 stays exact against HF fp32 (dtype bfloat16 runs it in bf16)")
 
 
 def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
@@ -144,9 +181,12 @@ def read_hf_config(model_dir: Path) -> Any:
         ) from error
 
 
-def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool | None = None) -> ModelInfo:
+def load_model_info(
+    model_dir: Path, config: EngineConfig, cuda_available: bool | None = None, *, log_dtype_choice: bool = True
+) -> ModelInfo:
     """What the engine needs to know of the model, read before any worker starts (by the CLI, the scheduler actor
-    and `LLM`): a model pagedserve cannot run is refused here, in one line."""
+    and `LLM`): a model pagedserve cannot run is refused here, in one line. `log_dtype_choice` False: a check whose
+    device is a guess (the CLI's) does not log what `dtype: auto` picked."""
     hf_config = read_hf_config(model_dir)
     check_checkpoint(Path(model_dir), hf_config)
     model_limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -158,7 +198,15 @@ def load_model_info(model_dir: Path, config: EngineConfig, cuda_available: bool 
         config.scheduler.enable_chunked_prefill, config.scheduler.max_num_batched_tokens, max_model_len
     )
     device = resolve_device(config.model.device, cuda_available)
-    dtype_name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype_name = config.model.dtype
+    if dtype_name == "auto":
+        # Probed in this process: on a cluster the scheduler actor's CPU stands for its workers' CPUs.
+        choice = resolve_auto_dtype(
+            checkpoint_dtype_name(hf_config), device, device != "cuda" and cpu_has_bf16_dot_products()
+        )
+        dtype_name = choice.dtype_name
+        if log_dtype_choice:
+            logger.info("dtype auto: %s on %s (%s)", dtype_name, device, choice.reason)
     return ModelInfo(
         model_dir=Path(model_dir),
         hf_config=hf_config,

@@ -17,8 +17,8 @@ from cluster.bench.client import RequestRecord, client_session, run_client, send
 from cluster.bench.config import BenchConfig, parse_batch_sizes
 from cluster.bench.serving import baseline_model_dir, run_benchmark
 from cluster.bench.stats import format_report, percentile, summarize
-from cluster.bench.workload import arrival_gaps, synthetic_prompts
-from model_executor.layers.greedy_screen import cpu_has_bf16_dot_products
+from cluster.bench.workload import arrival_gaps, output_length_bounds, output_lengths, synthetic_prompts
+from model_executor.cpu_features import cpu_has_bf16_dot_products
 
 SUMMARY_KEYS = {
     "completed",
@@ -150,6 +150,51 @@ def test_dataset_and_schedule_are_seeded():
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
 
 
+def test_output_lengths_spread_as_vllms_random_range_ratio():
+    # vllm's bounds: floor(len * (1 - r)) to ceil(len * (1 + r)), both included, at least 1.
+    assert output_length_bounds(144, 0.775) == (32, 256)
+    assert output_length_bounds(144, 0.78) == (31, 257)
+    assert output_length_bounds(100, 0.1) == (90, 110)
+    assert output_length_bounds(1, 0.9) == (1, 2)
+    assert output_lengths(5, 64, 0.0, seed=3) == [64] * 5
+    lengths = output_lengths(2000, 144, 0.775, seed=3)
+    assert lengths == output_lengths(2000, 144, 0.775, seed=3)
+    assert lengths != output_lengths(2000, 144, 0.775, seed=4)
+    assert (min(lengths), max(lengths)) == (32, 256)
+    assert sum(lengths) / len(lengths) == pytest.approx(144, rel=0.05)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        output_length_bounds(64, 1.0)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.nan}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.inf}, "temperature must be a finite number >= 0"),
+        ({"random_range_ratio": 1.0}, r"random_range_ratio must be in \[0, 1\)"),
+        ({"random_range_ratio": -0.1}, r"random_range_ratio must be in \[0, 1\)"),
+    ],
+)
+def test_bad_temperature_or_range_ratio_is_refused_before_any_request(settings, message):
+    # Nothing listens on this port: the settings must fail before the first connection.
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(run_benchmark({"base_url": "http://127.0.0.1:9/v1", "model": "m", **settings}))
+
+
+def test_the_cli_flags_map_onto_the_config():
+    from cluster.cli import build_parser
+
+    parser = build_parser()
+    defaults = BenchConfig.from_any(parser.parse_args(["bench"]))
+    assert (defaults.temperature, defaults.random_range_ratio) == (0.0, 0.0)
+    args = parser.parse_args(["bench", "--temperature", "0.8", "--random-range-ratio", "0.775"])
+    assert (BenchConfig.from_any(args).temperature, BenchConfig.from_any(args).random_range_ratio) == (0.8, 0.775)
+    bad = parser.parse_args(["bench", "--base-url", "http://127.0.0.1:9/v1", "--random-range-ratio", "1.5"])
+    with pytest.raises(ValueError, match="random_range_ratio"):
+        asyncio.run(run_benchmark(bad))
+
+
 def test_batch_sizes_parse_from_strings_and_sequences():
     assert parse_batch_sizes("8,16,32") == (8, 16, 32)
     assert parse_batch_sizes(" 2, 4 ,") == (2, 4)
@@ -265,6 +310,56 @@ def test_chat_stream_without_usage_counts_chunks():
     record = send(200, sse_body(*chunks, "[DONE]"), endpoint="chat")
     assert record.success, record.error
     assert (record.output_tokens, record.prompt_tokens, record.usage_reported) == (2, None, False)
+
+
+def test_requests_carry_the_temperature_and_each_its_own_max_tokens():
+    """What the client puts on the wire, read by a real HTTP server on this machine that answers each request with
+    as many tokens as it asked for."""
+    bodies: list[dict] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        max_tokens = body["max_completion_tokens"]
+        chunks = [{"choices": [{"index": 0, "delta": {"content": "x" * max_tokens}}]}]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": max_tokens}})
+        return web.Response(body=sse_body(*chunks, "[DONE]").encode(), content_type="text/event-stream")
+
+    async def go() -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            config = BenchConfig(
+                base_url=f"http://127.0.0.1:{port}/v1",
+                model="m",
+                endpoint="chat",
+                num_prompts=12,
+                output_len=8,
+                random_range_ratio=0.5,
+                temperature=0.8,
+                seed=4,
+                warmup=False,
+                disable_tqdm=True,
+                timeout=10,
+            )
+            return await run_benchmark(config)
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(go())
+    expected = output_lengths(12, 8, 0.5, seed=4)
+    assert len(set(expected)) > 1 and all(4 <= length <= 12 for length in expected)
+    assert len(bodies) == 12
+    assert all(body["temperature"] == 0.8 and body["ignore_eos"] is True for body in bodies)
+    assert sorted(body["max_completion_tokens"] for body in bodies) == sorted(expected)
+    assert result["output_lens"] == expected
+    assert result["generated_texts"] == ["x" * length for length in expected]
+    assert result["summary"]["total_output_tokens"] == sum(expected)
 
 
 def test_failures_are_recorded_not_raised():
@@ -402,6 +497,53 @@ def test_chat_endpoint_and_shared_prefix(bench_url):
     result = asyncio.run(run_benchmark(config))
     assert result["summary"]["completed"] == 4
     assert result["output_lens"] == [4] * 4
+
+
+@pytest.mark.serve
+def test_temperature_reaches_the_server(bench_url):
+    """Greedy chat runs repeat their text; a sampled run on the same prompts writes other text (a random model's
+    next-token distribution is nearly flat, so a sampled token is almost never the argmax)."""
+    settings = {
+        "base_url": bench_url,
+        "endpoint": "chat",
+        "num_prompts": 6,
+        "input_len": 8,
+        "output_len": 8,
+        "seed": 9,
+        "warmup": False,
+        "disable_tqdm": True,
+    }
+    greedy = asyncio.run(run_benchmark(BenchConfig(**settings)))
+    greedy_again = asyncio.run(run_benchmark(BenchConfig(**settings)))
+    sampled = asyncio.run(run_benchmark(BenchConfig(**settings, temperature=1.0)))
+    for result in (greedy, greedy_again, sampled):
+        assert result["errors"] == [""] * 6
+        assert result["output_lens"] == [8] * 6
+    assert sampled["config"]["temperature"] == 1.0
+    assert greedy["generated_texts"] == greedy_again["generated_texts"]
+    differing = sum(text != other for text, other in zip(greedy["generated_texts"], sampled["generated_texts"]))
+    assert differing >= 5
+
+
+@pytest.mark.serve
+def test_random_range_ratio_gives_each_request_its_own_length(bench_url):
+    config = BenchConfig(
+        base_url=bench_url,
+        num_prompts=8,
+        input_len=8,
+        output_len=8,
+        random_range_ratio=0.5,
+        seed=5,
+        warmup=False,
+        disable_tqdm=True,
+    )
+    result = asyncio.run(run_benchmark(config))
+    assert result["errors"] == [""] * 8
+    lengths = result["output_lens"]
+    assert all(4 <= length <= 12 for length in lengths)
+    assert len(set(lengths)) > 1
+    assert lengths == output_lengths(8, 8, 0.5, seed=5)
+    assert result["summary"]["total_output_tokens"] == sum(lengths)
 
 
 def test_offline_throughput_cli_logs_each_stream_count(caplog):

@@ -123,6 +123,10 @@ def test_bf16_panels_give_the_same_bits_on_any_number_of_threads() -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.mark.skipif(
+    OPS is not None and getattr(OPS, "has_amx", False) and OPS.amx_usable(),
+    reason="on a CPU with AMX a bf16 model's linears run on AMX tiles (tests/test_cpu_amx.py)",
+)
 def test_bf16_model_runs_its_linears_on_bf16_panels(tiny_qwen2_dir: Path) -> None:
     """A bf16 model on CPU: every projection and the LM head on our bf16 panels, each within the bound of the exact
     product (biases included: q/k/v of Qwen 2 have them) on both sides of the oneDNN crossover; it generates."""

@@ -282,8 +282,9 @@ def test_the_engine_decodes_a_few_streams_through_the_stack_with_the_same_tokens
     assert [len(tokens) for tokens in with_stack] == [24] * num_streams
 
 
-def test_no_stack_in_bf16() -> None:
-    """The stack is fp32 only: a bf16 model keeps the layer-by-layer path."""
+def test_no_stack_for_bf16_weights_without_amx_tiles() -> None:
+    """The stack runs bf16 weights on their AMX tiles only: a bf16 model without them (weights not packed for AMX,
+    or a CPU without AMX) keeps the layer-by-layer path."""
     model = random_llama()
     model.to(torch.bfloat16)
     model.decode_stack = None

@@ -133,7 +133,7 @@ def test_saturated_logit_soft_cap_ties_as_hf_and_skips_the_greedy_screen(gemma_d
 
 
 def test_gemma3_without_soft_cap_keeps_the_greedy_screen(gemma_dir, make_llm):
-    from model_executor.layers.greedy_screen import cpu_has_bf16_dot_products
+    from model_executor.cpu_features import cpu_has_bf16_dot_products
 
     if not cpu_has_bf16_dot_products():
         pytest.skip("the screen needs bf16 dot products")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.layers.greedy_screen import MAX_CANDIDATES, GreedyScreen, cpu_has_bf16_dot_products
+from model_executor.cpu_features import cpu_has_bf16_dot_products
+from model_executor.layers.greedy_screen import MAX_CANDIDATES, GreedyScreen
 from tests.test_parity import SMOLLM2_PROMPTS, greedy
 
 cpu_ops = pytest.importorskip("cuda_ext.cpu_ops")

@@ -38,7 +38,7 @@ class RequestRecord:
 def request_body(config: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "temperature": 0.0,
+        "temperature": config.temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},

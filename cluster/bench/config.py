@@ -20,6 +20,9 @@ class BenchConfig:
     num_prompts: int = 64
     input_len: int = 48  # random words per prompt, after the shared prefix if any
     output_len: int = 64  # max_tokens, sent with ignore_eos so every request generates exactly this many
+    # Each request's max_tokens drawn from [output_len*(1-r), output_len*(1+r)] as vllm's --random-range-ratio does.
+    random_range_ratio: float = 0.0
+    temperature: float = 0.0  # sent in every request; 0 is greedy
     request_rate: float = math.inf  # inf: all requests at once; else Poisson arrivals at this rate (req/s)
     max_concurrency: int | None = None  # None: unlimited in-flight requests
     shared_prefix_words: int = 0  # every prompt starts with the same N-word prefix (prefix-cache measurements)
@@ -53,6 +56,10 @@ class BenchConfig:
             raise ValueError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
         if self.num_prompts < 1 or self.output_len < 1 or self.input_len < 0 or self.shared_prefix_words < 0:
             raise ValueError("num_prompts and output_len must be >= 1; input_len and shared_prefix_words >= 0")
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be positive or inf, got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:

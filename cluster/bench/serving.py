@@ -29,7 +29,7 @@ import aiohttp
 from cluster.bench.client import RequestRecord, client_session, endpoint_url, first_model_id, send_request
 from cluster.bench.config import BenchConfig
 from cluster.bench.stats import format_baselines, format_report, summarize
-from cluster.bench.workload import arrival_gaps, synthetic_prompts
+from cluster.bench.workload import arrival_gaps, output_length_bounds, output_lengths, synthetic_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def run_baselines(
 
     show_progress = not config.disable_tqdm
     logger.info("baselines on %d prompts, %d tokens out, model %s", len(prompts), config.output_len, model_dir)
+    if config.random_range_ratio or config.temperature:
+        logger.warning(
+            "the baselines decode greedily, output_len (%d) tokens for every prompt, whatever the HTTP run's "
+            "temperature and per-request lengths",
+            config.output_len,
+        )
     batch = max(1, summary["max_concurrent_requests"])
     # The rooflines before HF: after minutes of HF generate in this process the same matmuls time slower.
     roofline = matmul_roofline(model_dir, batch, config.roofline_iterations, show_progress=show_progress)
@@ -121,48 +127,51 @@ def run_baselines(
 
 
 async def send_all(
-    session: aiohttp.ClientSession, config: BenchConfig, model: str, prompts: Sequence[str]
+    session: aiohttp.ClientSession,
+    config: BenchConfig,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: Sequence[int],
 ) -> tuple[list[RequestRecord], float]:
-    """Every prompt on the configured arrival schedule and concurrency limit; returns the records and the wall
-    time from the first send to the last answer."""
+    """Every prompt (with its max_tokens) on the configured arrival schedule and concurrency limit; returns the
+    records and the wall time from the first send to the last answer."""
     from tqdm import tqdm
 
     gaps = arrival_gaps(len(prompts), config.request_rate, config.seed)
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = tqdm(total=len(prompts), disable=config.disable_tqdm, desc="requests")
 
-    async def limited(prompt: str, origin: float) -> RequestRecord:
+    async def limited(prompt: str, request_max_tokens: int, origin: float) -> RequestRecord:
         async with semaphore if semaphore is not None else contextlib.nullcontext():
-            record = await send_request(session, config, model, prompt, config.output_len, origin)
+            record = await send_request(session, config, model, prompt, request_max_tokens, origin)
         progress.update(1)
         return record
 
     origin = time.perf_counter()
     tasks = []
-    for prompt, gap in zip(prompts, gaps):
+    for prompt, request_max_tokens, gap in zip(prompts, max_tokens, gaps):
         if gap > 0:
             await asyncio.sleep(gap)
-        tasks.append(asyncio.create_task(limited(prompt, origin)))
+        tasks.append(asyncio.create_task(limited(prompt, request_max_tokens, origin)))
     records = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - origin
     progress.close()
     return records, duration
 
 
-def warn_about(records: Sequence[RequestRecord], config: BenchConfig) -> None:
-    """Log failed requests, a server without usage, and requests that generated other than output_len tokens."""
+def warn_about(records: Sequence[RequestRecord], max_tokens: Sequence[int]) -> None:
+    """Log failed requests, a server without usage, and requests that generated other than their max_tokens."""
     for record in records:
         if not record.success:
             logger.warning("request failed: %s", record.error)
-    succeeded = [record for record in records if record.success]
-    if succeeded and not any(record.usage_reported for record in succeeded):
+    succeeded = [(record, expected) for record, expected in zip(records, max_tokens) if record.success]
+    if succeeded and not any(record.usage_reported for record, _ in succeeded):
         logger.warning("the server sent no usage; output tokens are counted as text chunks")
-    short = [record.output_tokens for record in succeeded if record.output_tokens != config.output_len]
+    short = [(record.output_tokens, expected) for record, expected in succeeded if record.output_tokens != expected]
     if short:
         logger.warning(
-            "%d requests generated other than %d tokens (ignore_eos unsupported?): %s",
+            "%d requests generated other than their max_tokens (ignore_eos unsupported?), (generated, asked): %s",
             len(short),
-            config.output_len,
             short[:10],
         )
 
@@ -177,18 +186,22 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
     config.validate()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     prompts = synthetic_prompts(config.num_prompts, config.input_len, config.seed, config.shared_prefix_words)
+    max_tokens = output_lengths(config.num_prompts, config.output_len, config.random_range_ratio, config.seed)
+    lowest, highest = output_length_bounds(config.output_len, config.random_range_ratio)
     async with client_session(config.max_concurrency, headers) as session:
         model = config.model or await first_model_id(session, config.base_url)
         # Before any request: a missing model directory must not cost a whole benchmark run first.
         model_dir = baseline_model_dir(config.model_dir, model) if config.baselines else None
         logger.info(
-            "benchmarking %s at %s: %d prompts, %d+%d words in, %d tokens out, rate %s req/s, concurrency %s",
+            "benchmarking %s at %s: %d prompts, %d+%d words in, %s tokens out, temperature %s, rate %s req/s, "
+            "concurrency %s",
             model,
             endpoint_url(config),
             config.num_prompts,
             config.shared_prefix_words,
             config.input_len,
-            config.output_len,
+            lowest if lowest == highest else f"{lowest}-{highest}",
+            config.temperature,
             config.request_rate,
             config.max_concurrency or "unlimited",
         )
@@ -201,10 +214,10 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
             logger.info("warm-up request ok (%.0f ms); starting the benchmark", warm.latency_s * 1000)
-        records, duration = await send_all(session, config, model, prompts)
+        records, duration = await send_all(session, config, model, prompts, max_tokens)
 
     summary = summarize(records, duration)
-    warn_about(records, config)
+    warn_about(records, max_tokens)
     print(format_report(summary, config))  # the report is the command's output
     baselines = None
     if model_dir is not None:
@@ -225,6 +238,7 @@ async def run_benchmark(args: BenchConfig | argparse.Namespace | dict[str, Any])
         "itls": [record.itl_s for record in records],
         "e2els": [record.latency_s for record in records],
         "start_times": [record.start_s for record in records],
+        "generated_texts": [record.generated_text for record in records],
         "errors": [record.error for record in records],
     }
     if baselines is not None:

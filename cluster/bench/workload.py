@@ -28,6 +28,28 @@ def synthetic_prompts(num_prompts: int, input_len: int, seed: int, shared_prefix
     return [" ".join(prefix + [rng.choice(WORDS) for _ in range(input_len)]) for _ in range(num_prompts)]
 
 
+def output_length_bounds(output_len: int, range_ratio: float) -> tuple[int, int]:
+    """The smallest and largest max_tokens a request may draw: floor(output_len * (1 - r)) (at least 1) and
+    ceil(output_len * (1 + r)), both included, as vllm's --random-range-ratio bounds them."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    # Floating-point noise rounded away first: 100 tokens at 0.1 reach 110, not 111.
+    low = max(1, math.floor(round(output_len * (1 - range_ratio), 9)))
+    high = max(1, math.ceil(round(output_len * (1 + range_ratio), 9)))
+    return low, high
+
+
+def output_lengths(num_requests: int, output_len: int, range_ratio: float, seed: int) -> list[int]:
+    """Each request's max_tokens: `output_len` for all at ratio 0, else uniform integers within
+    `output_length_bounds`."""
+    low, high = output_length_bounds(output_len, range_ratio)
+    if low == high:
+        return [low] * num_requests
+    # A generator of its own, so neither the prompts nor the arrival schedule change with the ratio.
+    rng = random.Random(seed + 2)
+    return [rng.randint(low, high) for _ in range(num_requests)]
+
+
 def random_token_prompts(
     counts: list[int], input_len: int, seed: int = 0, vocab_size: int = 49152
 ) -> dict[int, list[list[int]]]:

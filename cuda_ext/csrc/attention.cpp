@@ -645,6 +645,9 @@ void decode_attention_kernel(
 // DecodeStack's instance: decode_stack.cpp sees only the declaration.
 template void decode_attention_kernel<float>(const float*, const PagedCache<float>&, float*, const int32_t*, int64_t,
                                               int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+template void decode_attention_kernel<c10::BFloat16>(const c10::BFloat16*, const PagedCache<c10::BFloat16>&,
+                                                       c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
+                                                       int64_t, int64_t, int64_t, float, int64_t, float);
 
 namespace {
 

@@ -4,6 +4,7 @@
 #include "attention.h"
 #include "decode_stack.h"
 #include "elementwise.h"
+#include "gemm_amx.h"
 #include "gemm_panels.h"
 #include "greedy_screen.h"
 #include "simd.h"
@@ -44,6 +45,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // No AVX512-BF16 on the build target: bf16 weights stay on oneDNN.
   module.attr("has_bf16_panels") = false;
 #endif
+#if defined(PAGEDSERVE_HAS_AMX)
+  module.def("amx_usable", &amx_usable, "whether this process can run AMX tiles (the CPU has them, Linux allows)");
+  module.def("pack_amx_weight", &pack_amx_weight, "a bf16 (or fp32) weight in the tile layout amx_linear reads");
+  // Without the GIL, as the decode stack: a large prefill GEMM lets the worker's RPC threads run.
+  module.def("amx_linear", &amx_linear, "x @ weight^T (+ bias) on AMX tiles: bf16 products, fp32 sums",
+             pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.attr("has_amx") = true;
+#else
+  // Built for a CPU without AMX-BF16: bf16 weights run on the bf16 panels or oneDNN.
+  module.attr("has_amx") = false;
+#endif
   pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t>(), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
@@ -55,7 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("down_bias"), pybind11::arg("qkv_panels"), pybind11::arg("o_panels"),
            pybind11::arg("gate_up_panels"), pybind11::arg("down_panels"), pybind11::kw_only(),
            pybind11::arg("sliding_window") = -1, pybind11::arg("q_norm_weight") = pybind11::none(),
-           pybind11::arg("k_norm_weight") = pybind11::none())
+           pybind11::arg("k_norm_weight") = pybind11::none(), pybind11::arg("qkv_amx") = pybind11::none(),
+           pybind11::arg("o_amx") = pybind11::none(), pybind11::arg("gate_up_amx") = pybind11::none(),
+           pybind11::arg("down_amx") = pybind11::none())
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs);

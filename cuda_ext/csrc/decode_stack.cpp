@@ -12,7 +12,9 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "gemm_amx.h"
 #include "gemm_panels.h"
+#include "simd.h"
 
 namespace pagedserve {
 namespace {
@@ -34,7 +36,9 @@ constexpr int64_t kMinRowsPerThread = 16;
 constexpr int64_t kMinSplitRows = 4;
 
 void check_matrix(const torch::Tensor& weight, int64_t rows, int64_t columns, const char* name) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32, name, " must be CPU fp32");
+  TORCH_CHECK(weight.device().is_cpu() &&
+                  (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              name, " must be CPU fp32 or bf16");
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == columns && weight.stride(1) == 1,
               name, " must be [", rows, ", ", columns, "] with contiguous rows");
 }
@@ -50,12 +54,19 @@ void check_rows_of(const torch::Tensor& tensor, int64_t rows, int64_t columns, c
   TORCH_CHECK(tensor.size(0) == rows, name, " must have one row per token");
 }
 
+// A norm weight or bias as the stack reads it: fp32 (a bf16 model's, widened once).
+torch::Tensor fp32_vector(const torch::Tensor& vector, int64_t size, const char* name) {
+  const torch::Tensor widened =
+      vector.scalar_type() == torch::kBFloat16 ? vector.to(torch::kFloat32).contiguous() : vector;
+  check_vector(widened, size, name);
+  return widened;
+}
+
 torch::Tensor vector_or_empty(const std::optional<torch::Tensor>& vector, int64_t size, const char* name) {
   if (!vector.has_value() || !vector->defined()) {
     return torch::Tensor();
   }
-  check_vector(*vector, size, name);
-  return *vector;
+  return fp32_vector(*vector, size, name);
 }
 
 torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const torch::Tensor& weight,
@@ -65,6 +76,37 @@ torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const 
   }
   check_panels(*panels, weight.size(0), weight.size(1), name);
   return *panels;
+}
+
+torch::Tensor amx_or_empty(const std::optional<torch::Tensor>& amx, const torch::Tensor& weight, const char* name) {
+  if (!amx.has_value() || !amx->defined()) {
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat32, name, ": a bf16 weight runs on its AMX tiles, none given");
+    return torch::Tensor();
+  }
+#if defined(PAGEDSERVE_HAS_AMX)
+  TORCH_CHECK(amx_usable(), "this CPU (or process) cannot use AMX tiles");
+  check_amx_weight(*amx, weight.size(0), weight.size(1), name);
+  return *amx;
+#else
+  TORCH_CHECK(false, name, ": this build has no AMX kernel");
+#endif
+}
+
+// bf16 bits of fp32 values, rounded to nearest even (as torch's conversion).
+inline void round_to_bf16(c10::BFloat16* target, const float* source, int64_t count) {
+#if defined(__AVX512BF16__)
+  floats_to_bf16(reinterpret_cast<uint16_t*>(target), source, count);
+#else
+  for (int64_t i = 0; i < count; ++i) {
+    target[i] = c10::BFloat16(source[i]);
+  }
+#endif
+}
+
+inline void widen_from_bf16(float* target, const c10::BFloat16* source, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    target[i] = static_cast<float>(source[i]);
+  }
 }
 
 }  // namespace
@@ -185,7 +227,10 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
                             const std::optional<torch::Tensor>& gate_up_panels,
                             const std::optional<torch::Tensor>& down_panels, int64_t sliding_window,
                             const std::optional<torch::Tensor>& q_norm,
-                            const std::optional<torch::Tensor>& k_norm) {
+                            const std::optional<torch::Tensor>& k_norm,
+                            const std::optional<torch::Tensor>& qkv_amx, const std::optional<torch::Tensor>& o_amx,
+                            const std::optional<torch::Tensor>& gate_up_amx,
+                            const std::optional<torch::Tensor>& down_amx) {
   const int64_t hidden = input_norm.size(0);
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -194,25 +239,31 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
   check_matrix(o, hidden, q_size, "o");
   check_matrix(gate_up, 2 * inter, hidden, "gate_up");
   check_matrix(down, hidden, inter, "down");
-  check_vector(input_norm, hidden, "input_norm");
-  check_vector(post_norm, hidden, "post_norm");
+  const bool bf16_weights = qkv.scalar_type() == torch::kBFloat16;
+  for (const torch::Tensor* weight : {&o, &gate_up, &down}) {
+    TORCH_CHECK(weight->scalar_type() == qkv.scalar_type(), "a layer's weights must share one dtype");
+  }
   TORCH_CHECK(layers_.empty() || (hidden == hidden_ && inter == inter_), "every layer must have the same sizes");
+  TORCH_CHECK(layers_.empty() || bf16_weights == bf16_weights_, "every layer must have the same dtype");
   TORCH_CHECK(sliding_window >= -1, "a layer's sliding_window is -1 (the stack's), 0 (none) or a window");
   layers_.push_back(
-      Layer{input_norm,
+      Layer{fp32_vector(input_norm, hidden, "input_norm"),
             Linear{qkv, vector_or_empty(qkv_bias, qkv_rows, "qkv bias"),
-                   panels_or_empty(qkv_panels, qkv, "qkv panels")},
-            Linear{o, vector_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels")},
-            post_norm,
+                   panels_or_empty(qkv_panels, qkv, "qkv panels"), amx_or_empty(qkv_amx, qkv, "qkv amx")},
+            Linear{o, vector_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels"),
+                   amx_or_empty(o_amx, o, "o amx")},
+            fp32_vector(post_norm, hidden, "post_norm"),
             Linear{gate_up, vector_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
-                   panels_or_empty(gate_up_panels, gate_up, "gate_up panels")},
+                   panels_or_empty(gate_up_panels, gate_up, "gate_up panels"),
+                   amx_or_empty(gate_up_amx, gate_up, "gate_up amx")},
             Linear{down, vector_or_empty(down_bias, hidden, "down bias"),
-                   panels_or_empty(down_panels, down, "down panels")},
+                   panels_or_empty(down_panels, down, "down panels"), amx_or_empty(down_amx, down, "down amx")},
             sliding_window == -1 ? sliding_window_ : sliding_window,
             vector_or_empty(q_norm, head_dim_, "q_norm"),
             vector_or_empty(k_norm, head_dim_, "k_norm")});
   hidden_ = hidden;
   inter_ = inter;
+  bf16_weights_ = bf16_weights;
 }
 
 void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
@@ -221,8 +272,16 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
                           const torch::Tensor& sin, bool rows_share_sequences) {
   TORCH_CHECK(!layers_.empty(), "the stack has no layers");
   const int64_t num_tokens = hidden.size(0);
-  check_rows_of(hidden, num_tokens, hidden_, "hidden");
-  check_rows_of(residual, num_tokens, hidden_, "residual");
+  const torch::ScalarType dtype = bf16_weights_ ? torch::kBFloat16 : torch::kFloat32;
+  TORCH_CHECK(hidden.scalar_type() == dtype && residual.scalar_type() == dtype,
+              "hidden and residual must have the weights' dtype");
+  const auto check_rows_in = [&](const torch::Tensor& tensor, const char* name) {
+    TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous() && tensor.dim() == 2 &&
+                    tensor.size(0) == num_tokens && tensor.size(1) == hidden_,
+                name, " must be a contiguous CPU tensor [tokens, ", hidden_, "]");
+  };
+  check_rows_in(hidden, "hidden");
+  check_rows_in(residual, "residual");
   const int64_t half = head_dim_ / 2;
   check_rows_of(cos, num_tokens, half, "cos");
   check_rows_of(sin, num_tokens, half, "sin");
@@ -240,9 +299,9 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
   const int64_t block_size = kv_caches[0].dim() == 5 ? kv_caches[0].size(2) : 0;
   int64_t num_slots = std::numeric_limits<int64_t>::max();  // of the smallest cache
   for (const torch::Tensor& cache : kv_caches) {
-    TORCH_CHECK(cache.scalar_type() == torch::kFloat32 && cache.is_contiguous() && cache.dim() == 5 &&
+    TORCH_CHECK(cache.scalar_type() == dtype && cache.is_contiguous() && cache.dim() == 5 &&
                     cache.size(2) == block_size && cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_,
-                "KV caches must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+                "KV caches must be contiguous [2, blocks, block_size, kv_heads, head_dim] of the weights' dtype");
     num_slots = std::min(num_slots, cache.size(1) * block_size);
   }
   for (int64_t token = 0; token < num_tokens; ++token) {
@@ -256,12 +315,38 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
   attended_.resize(num_tokens * q_size);
   gate_up_.resize(num_tokens * 2 * inter_);
   activated_.resize(num_tokens * inter_);
+  float* hidden_rows = nullptr;
+  float* residual_rows = nullptr;
+  if (bf16_weights_) {
+    hidden_fp32_.resize(num_tokens * hidden_);
+    residual_fp32_.resize(num_tokens * hidden_);
+    query_bf16_.resize(num_tokens * q_size);
+    attended_bf16_.resize(num_tokens * q_size);
+    hidden_rows = hidden_fp32_.data();
+    residual_rows = residual_fp32_.data();
+    widen_from_bf16(hidden_rows, hidden.data_ptr<c10::BFloat16>(), num_tokens * hidden_);
+    if (has_residual) {
+      widen_from_bf16(residual_rows, residual.data_ptr<c10::BFloat16>(), num_tokens * hidden_);
+    }
+  } else {
+    hidden_rows = hidden.data_ptr<float>();
+    residual_rows = residual.data_ptr<float>();
+  }
   if (!has_residual) {
     // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
-    std::fill(residual.data_ptr<float>(), residual.data_ptr<float>() + num_tokens * hidden_, 0.f);
+    std::fill(residual_rows, residual_rows + num_tokens * hidden_, 0.f);
   }
-  const Step step{hidden.data_ptr<float>(), residual.data_ptr<float>(), &kv_caches, block_tables.data_ptr<int32_t>(),
+  const Step step{hidden_rows, residual_rows, &kv_caches, block_tables.data_ptr<int32_t>(),
                   width, block_size, lens, slot_of, cos.data_ptr<float>(), sin.data_ptr<float>()};
+  run_step(step, num_tokens, rows_share_sequences);
+  if (bf16_weights_) {
+    // One rounding of each into the caller's bf16 tensors, after the last layer.
+    round_to_bf16(hidden.data_ptr<c10::BFloat16>(), hidden_rows, num_tokens * hidden_);
+    round_to_bf16(residual.data_ptr<c10::BFloat16>(), residual_rows, num_tokens * hidden_);
+  }
+}
+
+void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences) {
   const int64_t num_threads = at::get_num_threads();
   last_step_handoffs_ = 0;
   // Rows of one sequence (speculative drafts) read each other's keys: only rows that go through each stage
@@ -303,6 +388,8 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
       float* const attended = attended_.data() + begin * q_size;
       float* const gate_up = gate_up_.data() + begin * 2 * inter_;
       float* const activated = activated_.data() + begin * inter_;
+      c10::BFloat16* const query_bf16 = bf16_weights_ ? query_bf16_.data() + begin * q_size : nullptr;
+      c10::BFloat16* const attended_bf16 = bf16_weights_ ? attended_bf16_.data() + begin * q_size : nullptr;
       switch (rows.stage) {
         case kNormAndQkv:
           for (int64_t token = 0; token < count; ++token) {
@@ -312,6 +399,10 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           project(layer.qkv, x, hidden_, count, qkv);
           break;
         case kRotaryAndAttention: {
+          if (bf16_weights_) {
+            attend_bf16(layer, step, cache, begin, count, qkv, query_bf16, attended_bf16);
+            break;
+          }
           float* key_cache = cache.data_ptr<float>();
           float* value_cache = key_cache + cache.stride(0);
           for (int64_t token = 0; token < count; ++token) {
@@ -341,7 +432,11 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           break;
         }
         case kOutputAndNorm:
-          project(layer.o, attended, q_size, count, x);
+          if (bf16_weights_) {
+            project(layer.o, reinterpret_cast<const uint16_t*>(attended_bf16), q_size, count, x);
+          } else {
+            project(layer.o, attended, q_size, count, x);
+          }
           for (int64_t token = 0; token < count; ++token) {
             add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
                                     layer.post_norm.data_ptr<float>(), hidden_, eps_);
@@ -362,9 +457,63 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
   return rows.end - rows.begin;
 }
 
+void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
+                              int64_t count, float* qkv, c10::BFloat16* query, c10::BFloat16* attended) const {
+  const int64_t half = head_dim_ / 2;
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t kv_size = num_kv_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * kv_size;
+  c10::BFloat16* key_cache = cache.data_ptr<c10::BFloat16>();
+  c10::BFloat16* value_cache = key_cache + cache.stride(0);
+  for (int64_t token = 0; token < count; ++token) {
+    float* token_qkv = qkv + token * qkv_rows;
+    if (layer.q_norm.defined()) {
+      rms_norm_heads(token_qkv, num_heads_, head_dim_, layer.q_norm.data_ptr<float>(), eps_);
+    }
+    if (layer.k_norm.defined()) {
+      rms_norm_heads(token_qkv + q_size, num_kv_heads_, head_dim_, layer.k_norm.data_ptr<float>(), eps_);
+    }
+    const float* cos_row = step.cos + (begin + token) * half;
+    const float* sin_row = step.sin + (begin + token) * half;
+    rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
+    rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+    // Rounded to bf16 once here, as the layer-by-layer path's bf16 query, keys and values are.
+    round_to_bf16(query + token * q_size, token_qkv, q_size);
+    const int64_t slot = step.slots[begin + token];
+    if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
+      round_to_bf16(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size);
+      round_to_bf16(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size);
+    }
+  }
+  const PagedCache<c10::BFloat16> paged{key_cache, value_cache, step.block_tables + begin * step.width,
+                                        step.width, step.block_size, cache.stride(1), cache.stride(2)};
+  decode_attention_kernel<c10::BFloat16>(query, paged, attended, step.seq_lens + begin, count, num_heads_,
+                                         num_kv_heads_, head_dim_, q_size, q_size, scale_, layer.sliding_window,
+                                         /*soft_cap=*/0.f);
+}
+
+void DecodeStack::project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens,
+                          float* out) const {
+#if defined(PAGEDSERVE_HAS_AMX)
+  const int64_t rows = linear.weight.size(0);
+  TORCH_CHECK(linear.amx.defined(), "a bf16 input runs on AMX tiles only");
+  amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
+                    rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
+#else
+  TORCH_CHECK(false, "this build has no AMX kernel");
+#endif
+}
+
 void DecodeStack::project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens,
                           float* out) const {
   const int64_t rows = linear.weight.size(0);
+#if defined(PAGEDSERVE_HAS_AMX)
+  if (linear.amx.defined()) {
+    amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
+                      rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
+    return;
+  }
+#endif
   if (linear.panels.defined()) {
     panel_linear_kernel(x, columns, num_tokens, linear.panels.data_ptr<float>(), rows, columns, out, rows);
   } else {

@@ -1,4 +1,4 @@
-// DecodeStack: fp32 decode tokens through a stack of Llama decoder layers in one call.
+// DecodeStack: decode tokens through a stack of Llama decoder layers in one call (fp32, or bf16 on AMX tiles).
 #pragma once
 
 #include <torch/types.h>
@@ -16,6 +16,11 @@ namespace pagedserve {
 // run panel_linear_kernel on the layer's panel-packed weights, or linear_tokens_kernel on the plain weights where a
 // layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
 // forward); with fewer, every kernel spreads over the threads.
+//
+// bf16 models (where the build has AMX): bf16 weights run on their AMX tiles (pack_amx_weight), the KV cache is
+// bf16, and between the kernels a token's hidden state, residual stream and MLP sums stay fp32 (each projection
+// rounds its input to bf16 once, as the layer-by-layer path's bf16 activations are); the query and the attention
+// output are bf16, as the bf16 attention kernel takes them.
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -24,7 +29,8 @@ class DecodeStack {
   // Biases and panel weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
   // contiguous rows; a panel weight is the same weight as pack_panels lays it out. sliding_window: this layer's
   // (-1: the stack's, 0: none). q_norm / k_norm: [head_dim] weights of an RMSNorm (the stack's eps) of each query
-  // / key head after the projection and before rotary, or None.
+  // / key head after the projection and before rotary, or None. *_amx: the weights as pack_amx_weight lays them
+  // out, required for bf16 weights (norm weights and biases may then be bf16 too: the stack keeps fp32 copies).
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
                  const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                  const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
@@ -32,10 +38,12 @@ class DecodeStack {
                  const std::optional<torch::Tensor>& qkv_panels, const std::optional<torch::Tensor>& o_panels,
                  const std::optional<torch::Tensor>& gate_up_panels, const std::optional<torch::Tensor>& down_panels,
                  int64_t sliding_window, const std::optional<torch::Tensor>& q_norm,
-                 const std::optional<torch::Tensor>& k_norm);
+                 const std::optional<torch::Tensor>& k_norm, const std::optional<torch::Tensor>& qkv_amx,
+                 const std::optional<torch::Tensor>& o_amx, const std::optional<torch::Tensor>& gate_up_amx,
+                 const std::optional<torch::Tensor>& down_amx);
 
-  // hidden and residual [tokens, hidden_size], in place: in, the stack's input (residual unread without
-  // has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
+  // hidden and residual [tokens, hidden_size], fp32 or (both) bf16, in place: in, the stack's input (residual
+  // unread without has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
   // block_size, kv_heads, head_dim] per layer; per token, its block table row [tokens, width] int32, seq_len with
   // the new token [tokens] int32, KV slot [tokens] int64 (-1: padding) and cos/sin rows [tokens, head_dim / 2] fp32.
   void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
@@ -57,7 +65,7 @@ class DecodeStack {
   class RowShare;
 
   struct Linear {
-    torch::Tensor weight, bias, panels;  // bias and panels may be undefined
+    torch::Tensor weight, bias, panels, amx;  // bias, panels and amx may be undefined; bias fp32
   };
   struct Layer {
     torch::Tensor input_norm;
@@ -68,13 +76,22 @@ class DecodeStack {
     torch::Tensor q_norm, k_norm;  // may be undefined
   };
 
+  // Every token of the step through every layer, on one thread's rows or on each thread's share.
+  void run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences);
   // Runs `rows` from their layer and stage through the last layer; returns how many it ran to the end. With a
   // share, it may give half of them to an idle thread before a stage: each token's state between stages lives in
   // its own rows of the step's scratch, wherever it runs next.
   int64_t run_rows(const Step& step, Rows rows, RowShare* share);
 
-  // out [tokens, the weight's out size] = x [tokens, columns] (contiguous rows) W^T + bias.
+  // out [tokens, the weight's out size] = x [tokens, columns] (contiguous rows) W^T + bias; x may be bf16 bits
+  // (an AMX linear's input only).
   void project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out) const;
+  void project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens, float* out) const;
+
+  // A bf16 model's rotary, KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their
+  // fp32 projections, query and attended their bf16 rows.
+  void attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin, int64_t count,
+                   float* qkv, c10::BFloat16* query, c10::BFloat16* attended) const;
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_, scale_;
@@ -83,8 +100,12 @@ class DecodeStack {
   int64_t inter_ = 0;
   std::vector<Layer> layers_;
   int64_t last_step_handoffs_ = 0;
+  bool bf16_weights_ = false;  // every layer's (a stack holds one dtype)
   // Scratch for a step's tokens, reused every step.
   std::vector<float> qkv_, attended_, gate_up_, activated_;
+  // bf16 models: the fp32 hidden state and residual stream, and the bf16 query and attention output.
+  std::vector<float> hidden_fp32_, residual_fp32_;
+  std::vector<c10::BFloat16> query_bf16_, attended_bf16_;
 };
 
 }  // namespace pagedserve

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from model_executor.cpu_features import cpu_has_bf16_dot_products
 from model_executor.layers.linear import PACKING_BATCH_HINT
 from model_executor.sampler import greedy_tokens
 from model_executor.structured_output import apply_bitmask
@@ -37,15 +37,6 @@ FORBIDDEN_APPROX_LOGIT = -1e30
 MAX_CANDIDATES = 256
 # Rows of random hidden states the start-up self-check puts through both heads.
 SELF_CHECK_ROWS = 8
-
-
-def cpu_has_bf16_dot_products() -> bool:
-    """AVX512-BF16 or AMX-BF16: bf16 GEMMs at twice fp32's rate; elsewhere oneDNN would emulate them, slower."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 class GreedyScreen:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_executor.cpu_features import cpu_has_amx_bf16
 from model_executor.parallel_state import ParallelContext, divide
 
 logger = logging.getLogger(__name__)
@@ -128,17 +129,6 @@ BF16_PANEL_MAX_TOKENS_WITH_AMX = 4
 BF16_PANEL_MAX_TOKENS = 64
 
 
-@functools.cache
-def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX bf16 tiles (what oneDNN's bf16 GEMM runs on where present)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "amx_bf16" in flags.split()
-
-
 class CpuBf16PanelLinearMethod(LinearMethod):
     """bf16 weights on CPU: our C++ bf16 panel GEMM (`cuda_ext.cpu_ops` pack_bf16_panels / bf16_panel_linear: bf16
     products, fp32 sums, one rounding to the output's dtype) for calls of up to `max_tokens` tokens, oneDNN's packed
@@ -170,13 +160,44 @@ class CpuBf16PanelLinearMethod(LinearMethod):
         return sums.add_(bias).to(x.dtype)
 
 
+# Most tokens a call runs on our AMX kernel; larger calls (prefill chunks) go to oneDNN's packed bf16 GEMM, which
+# blocks a large x better (benchmarks/bench_bf16_gemm.py: ours leads up to 64-128 tokens, level or behind beyond).
+AMX_MAX_TOKENS = 128
+
+
+class CpuAmxLinearMethod(LinearMethod):
+    """bf16 weights on a CPU with AMX tiles: our C++ tile GEMM (`cuda_ext.cpu_ops` pack_amx_weight / amx_linear: bf16
+    products, fp32 sums, the bias added to the sums, one rounding to the output's dtype) for calls of up to
+    `max_tokens` tokens, oneDNN's packed bf16 GEMM above that (where this torch build packs bf16)."""
+
+    def __init__(self, ops: ModuleType, max_tokens: int = AMX_MAX_TOKENS):
+        self.ops = ops
+        self.max_tokens = max_tokens
+        self.onednn = OneDnnLinearMethod() if onednn_packing_available(torch.bfloat16) else None
+
+    def process_weights_after_loading(self, layer: PackableWeight) -> None:
+        layer.amx_weight = self.ops.pack_amx_weight(layer.weight.detach())
+        if self.onednn is not None:
+            self.onednn.process_weights_after_loading(layer)
+
+    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2:
+            return nn.functional.linear(x, layer.weight, bias)
+        if self.onednn is not None and x.shape[0] > self.max_tokens and x.dtype == torch.bfloat16:
+            return self.onednn.apply(layer, x, bias)
+        out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
+        sums_bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+        self.ops.amx_linear(out, x if x.stride(-1) == 1 else x.contiguous(), layer.amx_weight, sums_bias)
+        return out
+
+
 UNQUANTIZED = UnquantizedLinearMethod()
 
 
 def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearMethod:
     """The kernel for this weight: on CPU with `use_cpu_kernels`, fp32 on our panels (where they build), bf16 on our
-    bf16 panels for small calls and oneDNN's for large ones (where the CPU has AVX512-BF16), fp32 and bf16 on
-    oneDNN's packed GEMM otherwise; torch's matmul everywhere else."""
+    AMX tiles (where the CPU has them) or else our bf16 panels (AVX512-BF16) for small calls and oneDNN's for large
+    ones, fp32 and bf16 on oneDNN's packed GEMM otherwise; torch's matmul everywhere else."""
     if not use_cpu_kernels or weight.device.type != "cpu":
         return UNQUANTIZED
     if weight.dtype in (torch.float32, torch.bfloat16):
@@ -185,6 +206,8 @@ def select_linear_method(weight: torch.Tensor, use_cpu_kernels: bool) -> LinearM
         ops = load_cpu_ops()
         if ops is not None and weight.dtype == torch.float32:
             return CpuPanelLinearMethod(ops)
+        if ops is not None and getattr(ops, "has_amx", False) and ops.amx_usable():
+            return CpuAmxLinearMethod(ops)
         if ops is not None and getattr(ops, "has_bf16_panels", False):
             max_tokens = BF16_PANEL_MAX_TOKENS_WITH_AMX if cpu_has_amx_bf16() else BF16_PANEL_MAX_TOKENS
             return CpuBf16PanelLinearMethod(ops, max_tokens)
@@ -223,6 +246,7 @@ class PackableWeight:
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout (OneDnnLinearMethod)
     panel_weight: torch.Tensor | None = None  # our kernel's panels (CpuPanelLinearMethod)
     bf16_panel_weight: torch.Tensor | None = None  # our bf16 panels (CpuBf16PanelLinearMethod)
+    amx_weight: torch.Tensor | None = None  # our AMX tiles (CpuAmxLinearMethod)
 
     def pack_weights(self, use_cpu_kernels: bool) -> None:
         """After loading: choose this layer's kernel once and lay the weight out for it."""

@@ -1,0 +1,45 @@
+// bf16 linear layers on AMX tiles (Intel Xeon from Sapphire Rapids on): y = x W^T with bf16 products and fp32
+// sums, TDPBF16PS on 16 x 32 blocks of x against 32 x 16 blocks of a weight packed once as the tiles read it.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace pagedserve {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDSERVE_HAS_AMX 1
+// Tile shape: 16 rows (tokens, or column pairs of the weight) of 64 bytes (32 bf16 columns, or 16 outputs x 2).
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxColumns = 32;
+
+inline int64_t amx_blocks(int64_t size, int64_t block) {
+  return (size + block - 1) / block;
+}
+
+// Whether this process may use the tiles: the CPU has them and Linux granted the tile state (asked once).
+bool amx_usable();
+
+// out [num_tokens, rows] (out_stride apart) = x [num_tokens, columns] (x_stride apart) @ weight^T (+ bias, fp32,
+// or null), the weight as pack_amx_weight lays it out. In and Out: float, or uint16_t for bf16 bits (an fp32 x is
+// rounded to bf16 once; an output, from the fp32 sums once). Call only where amx_usable().
+template <typename In, typename Out>
+void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                       int64_t columns, const float* bias, Out* out, int64_t out_stride);
+
+// Fails unless `packed` is pack_amx_weight of a [rows, columns] weight.
+void check_amx_weight(const torch::Tensor& packed, int64_t rows, int64_t columns, const char* name);
+
+// weight [rows, columns] bf16 (or fp32, rounded to bf16) -> bf16 [ceil(rows / 16), ceil(columns / 32), 16, 16, 2]:
+// packed[n, k, r, j, h] = weight[16 n + j, 32 k + 2 r + h], zero past the last row and column: block (n, k) is the
+// 1 KiB tile TDPBF16PS takes as its second operand.
+torch::Tensor pack_amx_weight(const torch::Tensor& weight);
+
+// out = x @ weight^T (+ bias) on pack_amx_weight(weight): x bf16 or fp32 (rounded to bf16), out bf16 or fp32.
+void amx_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+                const std::optional<torch::Tensor>& bias);
+#endif
+
+}  // namespace pagedserve

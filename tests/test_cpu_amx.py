@@ -1,0 +1,213 @@
+"""Our AMX bf16 GEMM (cuda_ext.cpu_ops pack_amx_weight / amx_linear), the linear method on it and the C++ decoder
+stack in bf16 on it. Run where the CPU has AMX tiles (Intel Xeon from Sapphire Rapids on); elsewhere bf16 runs on
+the bf16 panels (tests/test_cpu_bf16_gemm.py) and layer by layer.
+
+TDPBF16PS multiplies bf16 values exactly and sums them in fp32, so against the exact product of the same bf16
+values every output is within the fp32 summation bound, plus one rounding to bf16 for a bf16 output (the bound of
+tests/test_cpu_bf16_gemm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuda_ext.cpu_ops import load_cpu_ops
+from tests.test_cpu_bf16_gemm import assert_within_bound
+from tests.test_cpu_decoder_stack import BLOCK_SIZE, NUM_BLOCKS, as_tuple, attention_batch, random_llama, run
+
+OPS = load_cpu_ops()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not getattr(OPS, "has_amx", False) or not OPS.amx_usable(),
+    reason="the AMX kernel needs the C++ CPU kernels built for, and run on, a CPU with AMX-BF16",
+)
+
+
+@pytest.mark.parametrize(
+    ("rows", "columns"),
+    # SmolLM2's projections; rows not a multiple of 16 (a partial output block, an odd block count); columns not
+    # a multiple of 32 (zero-padded depth); one column; one row.
+    [(576, 576), (192, 576), (576, 1536), (49, 7), (100, 577), (5, 1), (1, 2), (40, 1535)],
+)
+# 16 and 32: whole token blocks; 0: nothing to do; 1 a decode token; 13, 33 and 97 leave partial blocks.
+@pytest.mark.parametrize("num_tokens", [0, 1, 13, 16, 32, 33, 97])
+def test_amx_linear_matches_exact_products_at_any_shape(rows: int, columns: int, num_tokens: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + columns)
+    # A column slice of a wider matrix (rows further apart than their length), x's rows strided too.
+    weight = torch.randn(rows, columns + 5, generator=generator).bfloat16()[:, 2 : 2 + columns]
+    x = torch.randn(num_tokens, columns + 3, generator=generator)[:, :columns]
+    bias = torch.randn(rows, generator=generator).bfloat16().float()
+    x_bf16 = x.bfloat16()
+    packed = OPS.pack_amx_weight(weight)
+    for x_in in (x_bf16, x):  # fp32 x is rounded to bf16 as torch rounds it
+        results = {}
+        for out_dtype in (torch.float32, torch.bfloat16):
+            # A wider output: the kernel writes its own columns only (as into a slice of a fused output).
+            out = torch.full((num_tokens, rows + 4), float("nan"), dtype=out_dtype)
+            OPS.amx_linear(out[:, :rows], x_in, packed)
+            assert out[:, rows:].isnan().all()
+            assert_within_bound(out[:, :rows], x_bf16, weight)
+            results[out_dtype] = out[:, :rows].clone()
+            # The bias joins the fp32 sums before the one rounding: the bound of [x, 1] @ [W, b]^T.
+            OPS.amx_linear(out[:, :rows], x_in, packed, bias)
+            x_one = torch.cat([x_bf16, torch.ones(num_tokens, 1, dtype=torch.bfloat16)], dim=1)
+            assert_within_bound(out[:, :rows], x_one, torch.cat([weight, bias.bfloat16()[:, None]], dim=1))
+        assert torch.equal(results[torch.bfloat16], results[torch.float32].bfloat16())
+
+
+def test_pack_amx_weight_layout() -> None:
+    """packed[n, k, r, j, h] = weight[16 n + j, 32 k + 2 r + h], zero past the last row and column; fp32 weights
+    are rounded to bf16 first."""
+    generator = torch.Generator().manual_seed(3)
+    rows, columns = 35, 40
+    weight = torch.randn(rows, columns, generator=generator)
+    packed = OPS.pack_amx_weight(weight.bfloat16())
+    assert packed.dtype == torch.bfloat16 and packed.shape == (3, 2, 16, 16, 2)
+    padded = torch.zeros(3 * 16, 2 * 32, dtype=torch.bfloat16)
+    padded[:rows, :columns] = weight.bfloat16()
+    expected = padded.view(3, 16, 2, 16, 2).permute(0, 2, 3, 1, 4)
+    assert torch.equal(packed, expected)
+    assert torch.equal(OPS.pack_amx_weight(weight), packed)
+
+
+def test_amx_linear_refuses_what_it_cannot_take() -> None:
+    weight = torch.randn(96, 64).bfloat16()
+    packed = OPS.pack_amx_weight(weight)
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="pack_amx_weight of a"):
+        OPS.amx_linear(torch.empty(4, 96), torch.randn(4, 66).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="pack_amx_weight of a"):
+        OPS.amx_linear(torch.empty(4, 112), x, packed)
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        OPS.amx_linear(torch.empty(4, 96, dtype=torch.float64), x, packed)
+    with pytest.raises(RuntimeError, match="from pack_amx_weight"):
+        OPS.amx_linear(torch.empty(4, 96), x, OPS.pack_bf16_panels(weight))
+    with pytest.raises(RuntimeError, match="one row per token"):
+        OPS.amx_linear(torch.empty(5, 96), x, packed)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        OPS.amx_linear(torch.empty(4, 96), x, packed, torch.zeros(95))
+
+
+def test_amx_linear_gives_the_same_bits_on_any_number_of_threads() -> None:
+    """Threads split the output blocks; each output's sum is one thread's, in one order, whatever the split."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(3072, 576, generator=generator).bfloat16()
+    packed = OPS.pack_amx_weight(weight)
+    previous = torch.get_num_threads()
+    try:
+        for num_tokens in (1, 64):
+            x = torch.randn(num_tokens, 576, generator=generator).bfloat16()
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = torch.empty(num_tokens, 3072, dtype=torch.bfloat16)
+                OPS.amx_linear(out, x, packed)
+                results.append(out)
+            assert_within_bound(results[0], x, weight)
+            assert all(torch.equal(result, results[0]) for result in results[1:])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:
+    """A bf16 model on an AMX CPU: every projection and the LM head on our AMX kernel up to its token limit (biases
+    included: q/k/v of Qwen 2 have them), oneDNN's beyond, each within the bound; decode steps take the stack."""
+    from configs.sampling_params import SamplingParams
+    from executor import LLM
+    from model_executor.layers.linear import CpuAmxLinearMethod, PackableWeight
+
+    llm = LLM(model=str(tiny_qwen2_dir), device="cpu", dtype="bfloat16", num_kv_blocks=16, show_progress=False)
+    model = llm.engine.core.executor.worker.runner.model
+    modules = [module for module in model.modules() if isinstance(module, PackableWeight)]
+    assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
+    assert all(isinstance(module.linear_method, CpuAmxLinearMethod) for module in modules)
+    assert model.decode_stack is not None
+
+    generator = torch.Generator().manual_seed(9)
+    qkv = next(module for name, module in model.named_modules() if name.endswith("qkv_proj"))
+    method = qkv.linear_method
+    assert qkv.bias is not None
+    for num_tokens in (1, method.max_tokens, method.max_tokens + 1, 150):
+        x = torch.randn(num_tokens, qkv.weight.shape[1], generator=generator).bfloat16()
+        out = method.apply(qkv, x, qkv.bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, qkv.weight.shape[0])
+        x_one = torch.cat([x, torch.ones(num_tokens, 1, dtype=torch.bfloat16)], dim=1)
+        assert_within_bound(out, x_one, torch.cat([qkv.weight, qkv.bias[:, None]], dim=1))
+        if num_tokens <= method.max_tokens:
+            sums = torch.empty(num_tokens, qkv.weight.shape[0])
+            OPS.amx_linear(sums, x, qkv.amx_weight, qkv.bias.float())
+            assert torch.equal(out, sums.bfloat16())
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(["one two three"], params, use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 6
+
+
+def bf16_llama(**overrides: object):
+    """random_llama's model in bf16 with its weights packed for the AMX kernel and the stack built over them."""
+    from model_executor.layers.linear import PackableWeight
+
+    model = random_llama(**overrides)
+    model.to(torch.bfloat16)
+    for rotary in model.rotary_embeddings.values():
+        rotary.float()  # the loader builds the cos/sin tables in fp32 whatever the model's dtype
+    for module in model.modules():
+        if isinstance(module, PackableWeight):
+            module.pack_weights(use_cpu_kernels=True)
+    assert model.prepare_decode_stack()
+    return model
+
+
+# Both bf16 paths against the same model in fp32 with the bf16 weights' values (activations exact to fp32). They
+# round at different points (the stack keeps the hidden state, residual and MLP sums fp32 between kernels, where the
+# layers round each to bf16), so neither is the other's bits: the stack's error must stay of the layers' size.
+# Measured when written: 0.8-1.6x the layers' mean and worst error (1.6x on head_dim 10, one token).
+ERROR_SLACK = 1.75
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_bias": True, "mlp_bias": True}, {"hidden_size": 40, "intermediate_size": 36}],
+)
+# One token, a few, and 40 (each of 2 threads takes its own 20 through every layer).
+@pytest.mark.parametrize("num_cached", [[9], [5, 17, 2], [(7 * i) % 27 + 1 for i in range(40)]])
+def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
+    overrides: dict[str, object], num_cached: list[int]
+) -> None:
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_cached))).tolist()
+    tables = [blocks[i * 7 : (i + 1) * 7] for i in range(len(num_cached))]
+    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+
+    def decode_step(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [
+            model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, dtype, torch.device("cpu"))
+            for _ in range(model.num_local_layers)
+        ]
+        for cached, table in zip(num_cached, tables, strict=True):
+            run(model, caches, attention_batch([cached], [0], [table]), None)
+        (output,) = as_tuple(run(model, caches, decode, None))
+        return output.float(), caches
+
+    reference = random_llama(**overrides)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(param.bfloat16().float())
+    reference.decode_stack = None
+    exact, _ = decode_step(reference, torch.float32)
+
+    model = bf16_llama(**overrides)
+    stack_output, stack_caches = decode_step(model, torch.bfloat16)
+    model.decode_stack = None
+    layer_output, _ = decode_step(model, torch.bfloat16)
+    stack_error, layer_error = (stack_output - exact).abs(), (layer_output - exact).abs()
+    summary = (
+        f"stack mean/worst {stack_error.mean():.4f}/{stack_error.max():.4f}, "
+        f"layers {layer_error.mean():.4f}/{layer_error.max():.4f}"
+    )
+    assert stack_error.mean() <= ERROR_SLACK * layer_error.mean(), summary
+    assert stack_error.max() <= ERROR_SLACK * layer_error.max(), summary
+    assert {cache.dtype for cache in stack_caches} == {torch.bfloat16}
+    # Each new token's keys landed in its slot (the prefill alone leaves those rows zero).
+    key_rows = stack_caches[0][0].view(-1, *stack_caches[0].shape[3:])
+    assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)
