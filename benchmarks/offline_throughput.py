@@ -2,13 +2,15 @@
 
     python -m benchmarks.offline_throughput [--model smollm2-135m-instruct | DIR | --random-weights]
         [--device cuda] [--dtype bfloat16] [--streams 1,64,256] [--input-len 48] [--output-len 128]
-        [--kv-cache-memory-gib 1.0]
+        [--kv-cache-memory-gib 1.0] [--roofline]
 
 Each count runs every stream's prompt of random tokens at once through `LLM.generate` (greedy, ignore_eos) after a
 warm-up, and logs output tokens/s; one stream is the median of three runs. `--random-weights` builds a model of
 SmolLM2-135M's shapes with random weights and the default model's tokenizer (for machines the weights cannot be
 copied to): the same work per token, not the same tokens. `--compare-torch-elementwise` also times the torch
 compositions in place of our Triton elementwise kernels (CUDA only), alternated twice in this process.
+`--roofline` also measures the device's memory read bandwidth right before and after the runs and prints one
+stream's rate against the weight-bandwidth roofline: bandwidth / the bytes of weights a decode step reads.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import argparse
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cluster.bench.offline import time_generate
+from cluster.bench.offline import synchronize, time_generate
 from cluster.bench.workload import random_token_prompts
 
 # Not __name__: run with `python -m`, that is "__main__".
@@ -63,6 +66,31 @@ def measure(llm: Any, prompts: dict[int, list[list[int]]], output_len: int) -> d
     }
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the embedding), less the
+    input embedding where the LM head is its own matrix (a step reads one embedding row per token)."""
+    parameters = {param.data_ptr(): param for param in model.parameters()}
+    total = sum(param.numel() * param.element_size() for param in parameters.values())
+    embedding = getattr(model, "embed_tokens", None)  # our families' input embedding (absent on later PP stages)
+    lm_head = getattr(model, "lm_head", None)
+    if embedding is not None and getattr(lm_head, "weight", None) is not embedding.weight:
+        total -= embedding.weight.numel() * embedding.weight.element_size()
+    return total
+
+
+def read_bandwidth_gb_per_s(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """The best of a few full reads (a sum) of a `gib` GiB tensor on `device`, with the engine's thread count."""
+    data = torch.ones(int(gib * 2**30) // 4, device=device)
+    rates = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        data.sum()
+        synchronize()
+        rates.append(data.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return max(rates)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="alias or model directory")
@@ -74,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per stream")
     parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="the engine's KV-cache budget")
     parser.add_argument("--compare-torch-elementwise", action="store_true")
+    parser.add_argument("--roofline", action="store_true", help="one stream against weight bytes / read bandwidth")
     args = parser.parse_args(argv)
     if args.compare_torch_elementwise and (args.device == "cpu" or not torch.cuda.is_available()):
         parser.error("--compare-torch-elementwise needs CUDA: the Triton elementwise kernels run on CUDA tensors only")
@@ -101,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_gib=args.kv_cache_memory_gib,
         )
         runner = llm.engine.core.executor.worker.runner
+        bandwidth_before = read_bandwidth_gb_per_s(runner.device) if args.roofline else None
         figures = measure(llm, prompts, args.output_len)
         logger.info(
             "%s on %s (%s): %s",
@@ -109,6 +139,19 @@ def main(argv: list[str] | None = None) -> int:
             str(runner.model_info.dtype).removeprefix("torch."),
             ", ".join(f"{count} streams {rate:.1f} tok/s" for count, rate in figures.items()),
         )
+        if bandwidth_before is not None:
+            bandwidth = (bandwidth_before + read_bandwidth_gb_per_s(runner.device)) / 2
+            weight_bytes = decode_weight_bytes(runner.model)
+            roofline = bandwidth * 1e9 / weight_bytes
+            logger.info(
+                "weight-bandwidth roofline: %.1f MB of weights per step at %.1f GB/s (read before %.1f, after: mean)"
+                " = %.1f tok/s; one stream %s",
+                weight_bytes / 1e6,
+                bandwidth,
+                bandwidth_before,
+                roofline,
+                f"{figures[1] / roofline:.2f}x of it" if 1 in figures else "not run (--streams without 1)",
+            )
         del llm, runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
 """Decode steps through the C++ decoder stack: one call runs all of a stage's layers (CPU, one TP rank; fp32, or bf16
-where the CPU has AMX tiles).
+where the CPU has bf16 dot products).
 
 The layer-by-layer path makes about 30 small calls per layer, each a Python call and a dispatch; the stack makes
 one per step. Its projections run our panel kernel on the layers' panel weights (bf16: our AMX kernel on their tile
-weights), as the linear layers do. The
+weights, or else our bf16 panel kernel on their bf16 panels), as the linear layers do. The
 model files know nothing of it beyond the class flag `supports_decode_stack`: the model loader asks
 `with_decode_stack(cls)` for a variant with `DecodeStackMixin` on CPU with our kernels on, and
 `prepare_decode_stack` builds the stack once the weights are loaded and packed, or logs why it does not apply.
@@ -53,6 +53,11 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _bf16_kernel_weight(linear: nn.Module) -> torch.Tensor | None:
+    """A bf16 linear's weight as our kernel reads it: AMX tiles, else bf16 panels, else None."""
+    return linear.amx_weight if linear.amx_weight is not None else linear.bf16_panel_weight
+
+
 def decode_stack_unsupported_reason(model: nn.Module) -> str | None:
     """Why the C++ stack cannot run `model`'s decode steps, or None where it can (checked per instance, on the built
     model: its parallelism, dtype, backend and each layer's attention settings)."""
@@ -72,10 +77,10 @@ def decode_stack_unsupported_reason(model: nn.Module) -> str | None:
     attentions = [layer.self_attn for layer in layers]
     dtype = attentions[0].qkv_proj.weight.dtype
     if dtype == torch.bfloat16:
-        if not stack_takes_keyword(ops, "qkv_amx"):
+        if not stack_takes_keyword(ops, "qkv_bf16_panels"):
             reasons.append("dtype bfloat16 (this build of the stack runs float32)")
-        elif not all(linear.amx_weight is not None for layer in layers for linear in _projections(layer)):
-            reasons.append("dtype bfloat16 without AMX tiles (the stack runs bf16 weights on AMX)")
+        elif not all(_bf16_kernel_weight(linear) is not None for layer in layers for linear in _projections(layer)):
+            reasons.append("dtype bfloat16 with weights packed for neither AMX tiles nor bf16 panels")
     elif dtype != torch.float32:
         reasons.append(f"dtype {dtype} (the stack runs float32 and bfloat16)")
     backends = {type(attention.attn).__name__ for attention in attentions}
@@ -127,13 +132,11 @@ def build_decode_stack(model: nn.Module) -> Any:
             extras["q_norm_weight"] = attn.q_norm.weight
         if attn.k_norm is not None:
             extras["k_norm_weight"] = attn.k_norm.weight
-        if attn.qkv_proj.amx_weight is not None:
-            extras.update(
-                qkv_amx=attn.qkv_proj.amx_weight,
-                o_amx=attn.o_proj.amx_weight,
-                gate_up_amx=mlp.gate_up_proj.amx_weight,
-                down_amx=mlp.down_proj.amx_weight,
-            )
+        if attn.qkv_proj.weight.dtype == torch.bfloat16:
+            # Each linear on the kernel its linear method packed it for.
+            for name, linear in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
+                kind = "amx" if linear.amx_weight is not None else "bf16_panels"
+                extras[f"{name}_{kind}"] = _bf16_kernel_weight(linear)
         stack.add_layer(
             layer.input_layernorm.weight,
             attn.qkv_proj.weight,

@@ -556,3 +556,40 @@ def test_offline_throughput_cli_logs_each_stream_count(caplog):
     assert re.fullmatch(r"ours on cpu \(float32\): 1 streams [\d.]+ tok/s, 3 streams [\d.]+ tok/s", report), report
     with pytest.raises(SystemExit):
         module.main(["--compare-torch-elementwise", "--device", "cpu"])
+
+
+def test_offline_throughput_roofline_puts_one_stream_against_weight_bytes_over_bandwidth(caplog):
+    from benchmarks import offline_throughput as module
+
+    arguments = ["--model", "tiny-random-llama", "--device", "cpu", "--streams", "1", "--output-len", "4"]
+    with caplog.at_level(logging.INFO, logger="offline_throughput"):
+        assert module.main([*arguments, "--roofline"]) == 0
+    [line] = [record.getMessage() for record in caplog.records if "roofline" in record.getMessage()]
+    match = re.fullmatch(
+        r"weight-bandwidth roofline: ([\d.]+) MB of weights per step at ([\d.]+) GB/s \(read before [\d.]+, after: "
+        r"mean\) = ([\d.]+) tok/s; one stream ([\d.]+)x of it",
+        line,
+    )
+    assert match, line
+    megabytes, bandwidth, roofline = (float(match.group(i)) for i in (1, 2, 3))
+    assert megabytes > 0 and bandwidth > 0
+    assert roofline == pytest.approx(bandwidth * 1e3 / megabytes, rel=0.01)
+
+
+def test_decode_weight_bytes_counts_a_tied_head_once_and_skips_an_untied_embedding():
+    from torch import nn
+
+    from benchmarks.offline_throughput import decode_weight_bytes
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(100, 8)
+            self.layer = nn.Linear(8, 8, bias=False)
+            self.lm_head = nn.Linear(8, 100, bias=False)
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    # fp32: 4 bytes a weight; a step reads the layer and the head (the tied head is the embedding, counted once).
+    assert decode_weight_bytes(Model(tied=True)) == (100 * 8 + 8 * 8) * 4
+    assert decode_weight_bytes(Model(tied=False)) == (8 * 8 + 100 * 8) * 4

@@ -1,6 +1,6 @@
-"""Our AMX bf16 GEMM (cuda_ext.cpu_ops pack_amx_weight / amx_linear), the linear method on it and the C++ decoder
-stack in bf16 on it. Run where the CPU has AMX tiles (Intel Xeon from Sapphire Rapids on); elsewhere bf16 runs on
-the bf16 panels (tests/test_cpu_bf16_gemm.py) and layer by layer.
+"""Our AMX bf16 GEMM (cuda_ext.cpu_ops pack_amx_weight / amx_linear) and the linear method on it (the C++ decoder
+stack in bf16 on it: tests/test_cpu_bf16_decode_stack.py). Run where the CPU has AMX tiles (Intel Xeon from
+Sapphire Rapids on); elsewhere bf16 runs on the bf16 panels (tests/test_cpu_bf16_gemm.py).
 
 TDPBF16PS multiplies bf16 values exactly and sums them in fp32, so against the exact product of the same bf16
 values every output is within the fp32 summation bound, plus one rounding to bf16 for a bf16 output (the bound of
@@ -15,7 +15,6 @@ import torch
 
 from cuda_ext.cpu_ops import load_cpu_ops
 from tests.test_cpu_bf16_gemm import assert_within_bound
-from tests.test_cpu_decoder_stack import BLOCK_SIZE, NUM_BLOCKS, as_tuple, attention_batch, random_llama, run
 
 OPS = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -142,72 +141,3 @@ def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate(["one two three"], params, use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 6
-
-
-def bf16_llama(**overrides: object):
-    """random_llama's model in bf16 with its weights packed for the AMX kernel and the stack built over them."""
-    from model_executor.layers.linear import PackableWeight
-
-    model = random_llama(**overrides)
-    model.to(torch.bfloat16)
-    for rotary in model.rotary_embeddings.values():
-        rotary.float()  # the loader builds the cos/sin tables in fp32 whatever the model's dtype
-    for module in model.modules():
-        if isinstance(module, PackableWeight):
-            module.pack_weights(use_cpu_kernels=True)
-    assert model.prepare_decode_stack()
-    return model
-
-
-# Both bf16 paths against the same model in fp32 with the bf16 weights' values (activations exact to fp32). They
-# round at different points (the stack keeps the hidden state, residual and MLP sums fp32 between kernels, where the
-# layers round each to bf16), so neither is the other's bits: the stack's error must stay of the layers' size.
-# Measured when written: 0.8-1.6x the layers' mean and worst error (1.6x on head_dim 10, one token).
-ERROR_SLACK = 1.75
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"attention_bias": True, "mlp_bias": True}, {"hidden_size": 40, "intermediate_size": 36}],
-)
-# One token, a few, and 40 (each of 2 threads takes its own 20 through every layer).
-@pytest.mark.parametrize("num_cached", [[9], [5, 17, 2], [(7 * i) % 27 + 1 for i in range(40)]])
-def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
-    overrides: dict[str, object], num_cached: list[int]
-) -> None:
-    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_cached))).tolist()
-    tables = [blocks[i * 7 : (i + 1) * 7] for i in range(len(num_cached))]
-    decode = attention_batch([1] * len(num_cached), num_cached, tables)
-
-    def decode_step(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        caches = [
-            model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, dtype, torch.device("cpu"))
-            for _ in range(model.num_local_layers)
-        ]
-        for cached, table in zip(num_cached, tables, strict=True):
-            run(model, caches, attention_batch([cached], [0], [table]), None)
-        (output,) = as_tuple(run(model, caches, decode, None))
-        return output.float(), caches
-
-    reference = random_llama(**overrides)
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.copy_(param.bfloat16().float())
-    reference.decode_stack = None
-    exact, _ = decode_step(reference, torch.float32)
-
-    model = bf16_llama(**overrides)
-    stack_output, stack_caches = decode_step(model, torch.bfloat16)
-    model.decode_stack = None
-    layer_output, _ = decode_step(model, torch.bfloat16)
-    stack_error, layer_error = (stack_output - exact).abs(), (layer_output - exact).abs()
-    summary = (
-        f"stack mean/worst {stack_error.mean():.4f}/{stack_error.max():.4f}, "
-        f"layers {layer_error.mean():.4f}/{layer_error.max():.4f}"
-    )
-    assert stack_error.mean() <= ERROR_SLACK * layer_error.mean(), summary
-    assert stack_error.max() <= ERROR_SLACK * layer_error.max(), summary
-    assert {cache.dtype for cache in stack_caches} == {torch.bfloat16}
-    # Each new token's keys landed in its slot (the prefill alone leaves those rows zero).
-    key_rows = stack_caches[0][0].view(-1, *stack_caches[0].shape[3:])
-    assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)

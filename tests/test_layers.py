@@ -441,7 +441,8 @@ def test_decode_stack_reasons_are_logged_per_model(caplog: pytest.LogCaptureFixt
     assert "tensor parallel size 2" in reason_of(stack_class(config, ParallelContext(tp_size=2), "cpu", CPU))
     torch_backend = stack_class(config, ParallelContext(), "torch", CPU)
     assert "attention backend ['TorchAttentionBackend']" in reason_of(torch_backend)
-    assert "dtype torch.bfloat16" in reason_of(stack_class(config, ParallelContext(), "cpu", CPU).to(torch.bfloat16))
+    bf16_unpacked = stack_class(config, ParallelContext(), "cpu", CPU).to(torch.bfloat16)
+    assert "dtype bfloat16 with weights packed for neither" in reason_of(bf16_unpacked)
     mixed_windows = stack_class(llama_config(sliding_window=20), ParallelContext(), "cpu", CPU)
     mixed_windows.layers["1"].self_attn.sliding_window = None
     if stack_takes_keyword(load_cpu_ops(), "sliding_window"):

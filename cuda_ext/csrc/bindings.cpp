@@ -70,7 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("sliding_window") = -1, pybind11::arg("q_norm_weight") = pybind11::none(),
            pybind11::arg("k_norm_weight") = pybind11::none(), pybind11::arg("qkv_amx") = pybind11::none(),
            pybind11::arg("o_amx") = pybind11::none(), pybind11::arg("gate_up_amx") = pybind11::none(),
-           pybind11::arg("down_amx") = pybind11::none())
+           pybind11::arg("down_amx") = pybind11::none(), pybind11::arg("qkv_bf16_panels") = pybind11::none(),
+           pybind11::arg("o_bf16_panels") = pybind11::none(), pybind11::arg("gate_up_bf16_panels") = pybind11::none(),
+           pybind11::arg("down_bf16_panels") = pybind11::none())
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs);

@@ -80,7 +80,6 @@ torch::Tensor panels_or_empty(const std::optional<torch::Tensor>& panels, const 
 
 torch::Tensor amx_or_empty(const std::optional<torch::Tensor>& amx, const torch::Tensor& weight, const char* name) {
   if (!amx.has_value() || !amx->defined()) {
-    TORCH_CHECK(weight.scalar_type() == torch::kFloat32, name, ": a bf16 weight runs on its AMX tiles, none given");
     return torch::Tensor();
   }
 #if defined(PAGEDSERVE_HAS_AMX)
@@ -89,6 +88,19 @@ torch::Tensor amx_or_empty(const std::optional<torch::Tensor>& amx, const torch:
   return *amx;
 #else
   TORCH_CHECK(false, name, ": this build has no AMX kernel");
+#endif
+}
+
+torch::Tensor bf16_panels_or_empty(const std::optional<torch::Tensor>& panels, const torch::Tensor& weight,
+                                   const char* name) {
+  if (!panels.has_value() || !panels->defined()) {
+    return torch::Tensor();
+  }
+#if defined(__AVX512BF16__)
+  check_bf16_panels(*panels, weight.size(0), weight.size(1), name);
+  return *panels;
+#else
+  TORCH_CHECK(false, name, ": this build has no bf16 panel kernel");
 #endif
 }
 
@@ -230,7 +242,11 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
                             const std::optional<torch::Tensor>& k_norm,
                             const std::optional<torch::Tensor>& qkv_amx, const std::optional<torch::Tensor>& o_amx,
                             const std::optional<torch::Tensor>& gate_up_amx,
-                            const std::optional<torch::Tensor>& down_amx) {
+                            const std::optional<torch::Tensor>& down_amx,
+                            const std::optional<torch::Tensor>& qkv_bf16_panels,
+                            const std::optional<torch::Tensor>& o_bf16_panels,
+                            const std::optional<torch::Tensor>& gate_up_bf16_panels,
+                            const std::optional<torch::Tensor>& down_bf16_panels) {
   const int64_t hidden = input_norm.size(0);
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -249,18 +265,26 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
   layers_.push_back(
       Layer{fp32_vector(input_norm, hidden, "input_norm"),
             Linear{qkv, vector_or_empty(qkv_bias, qkv_rows, "qkv bias"),
-                   panels_or_empty(qkv_panels, qkv, "qkv panels"), amx_or_empty(qkv_amx, qkv, "qkv amx")},
+                   panels_or_empty(qkv_panels, qkv, "qkv panels"), amx_or_empty(qkv_amx, qkv, "qkv amx"),
+                   bf16_panels_or_empty(qkv_bf16_panels, qkv, "qkv bf16 panels")},
             Linear{o, vector_or_empty(o_bias, hidden, "o bias"), panels_or_empty(o_panels, o, "o panels"),
-                   amx_or_empty(o_amx, o, "o amx")},
+                   amx_or_empty(o_amx, o, "o amx"), bf16_panels_or_empty(o_bf16_panels, o, "o bf16 panels")},
             fp32_vector(post_norm, hidden, "post_norm"),
             Linear{gate_up, vector_or_empty(gate_up_bias, 2 * inter, "gate_up bias"),
                    panels_or_empty(gate_up_panels, gate_up, "gate_up panels"),
-                   amx_or_empty(gate_up_amx, gate_up, "gate_up amx")},
+                   amx_or_empty(gate_up_amx, gate_up, "gate_up amx"),
+                   bf16_panels_or_empty(gate_up_bf16_panels, gate_up, "gate_up bf16 panels")},
             Linear{down, vector_or_empty(down_bias, hidden, "down bias"),
-                   panels_or_empty(down_panels, down, "down panels"), amx_or_empty(down_amx, down, "down amx")},
+                   panels_or_empty(down_panels, down, "down panels"), amx_or_empty(down_amx, down, "down amx"),
+                   bf16_panels_or_empty(down_bf16_panels, down, "down bf16 panels")},
             sliding_window == -1 ? sliding_window_ : sliding_window,
             vector_or_empty(q_norm, head_dim_, "q_norm"),
             vector_or_empty(k_norm, head_dim_, "k_norm")});
+  const Layer& added = layers_.back();
+  for (const Linear* linear : {&added.qkv, &added.o, &added.gate_up, &added.down}) {
+    TORCH_CHECK(!bf16_weights || linear->amx.defined() || linear->bf16_panels.defined(),
+                "a bf16 weight runs on its AMX tiles or bf16 panels, neither given");
+  }
   hidden_ = hidden;
   inter_ = inter;
   bf16_weights_ = bf16_weights;
@@ -494,14 +518,36 @@ void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch:
 
 void DecodeStack::project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens,
                           float* out) const {
-#if defined(PAGEDSERVE_HAS_AMX)
   const int64_t rows = linear.weight.size(0);
-  TORCH_CHECK(linear.amx.defined(), "a bf16 input runs on AMX tiles only");
-  amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
-                    rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
-#else
-  TORCH_CHECK(false, "this build has no AMX kernel");
+#if defined(PAGEDSERVE_HAS_AMX)
+  if (linear.amx.defined()) {
+    amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
+                      rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
+    return;
+  }
 #endif
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(linear.bf16_panels.defined(), "a bf16 input runs on AMX tiles or bf16 panels only");
+  bf16_panel_linear_kernel(x, columns, num_tokens,
+                           reinterpret_cast<const uint16_t*>(linear.bf16_panels.data_ptr<at::BFloat16>()), rows,
+                           columns, out, rows);
+  add_bias(linear, num_tokens, out);
+#else
+  TORCH_CHECK(false, "this build has no bf16 kernel");
+#endif
+}
+
+void DecodeStack::add_bias(const Linear& linear, int64_t num_tokens, float* out) const {
+  if (!linear.bias.defined()) {
+    return;
+  }
+  const int64_t rows = linear.weight.size(0);
+  const float* bias_data = linear.bias.data_ptr<float>();
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    for (int64_t i = 0; i < rows; ++i) {
+      out[token * rows + i] += bias_data[i];
+    }
+  }
 }
 
 void DecodeStack::project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens,
@@ -514,20 +560,23 @@ void DecodeStack::project(const Linear& linear, const float* x, int64_t columns,
     return;
   }
 #endif
+#if defined(__AVX512BF16__)
+  if (linear.bf16_panels.defined()) {
+    // Rounded once into this thread's scratch: the panels take bf16 x.
+    thread_local std::vector<uint16_t> x_bf16;
+    x_bf16.resize(num_tokens * columns);
+    floats_to_bf16(x_bf16.data(), x, num_tokens * columns);
+    project(linear, x_bf16.data(), columns, num_tokens, out);
+    return;
+  }
+#endif
   if (linear.panels.defined()) {
     panel_linear_kernel(x, columns, num_tokens, linear.panels.data_ptr<float>(), rows, columns, out, rows);
   } else {
     linear_tokens_kernel(x, columns, num_tokens, linear.weight.data_ptr<float>(), linear.weight.stride(0), out, rows,
                          rows, linear.weight.size(1));
   }
-  if (linear.bias.defined()) {
-    const float* bias_data = linear.bias.data_ptr<float>();
-    for (int64_t token = 0; token < num_tokens; ++token) {
-      for (int64_t i = 0; i < rows; ++i) {
-        out[token * rows + i] += bias_data[i];
-      }
-    }
-  }
+  add_bias(linear, num_tokens, out);
 }
 
 }  // namespace pagedserve

@@ -17,8 +17,8 @@ namespace pagedserve {
 // layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
 // forward); with fewer, every kernel spreads over the threads.
 //
-// bf16 models (where the build has AMX): bf16 weights run on their AMX tiles (pack_amx_weight), the KV cache is
-// bf16, and between the kernels a token's hidden state, residual stream and MLP sums stay fp32 (each projection
+// bf16 models (where the build has AVX512-BF16): bf16 weights run on their AMX tiles (pack_amx_weight) or else on
+// their bf16 panels (pack_bf16_panels), the KV cache is bf16, and between the kernels a token's hidden state, residual stream and MLP sums stay fp32 (each projection
 // rounds its input to bf16 once, as the layer-by-layer path's bf16 activations are); the query and the attention
 // output are bf16, as the bf16 attention kernel takes them.
 class DecodeStack {
@@ -29,8 +29,9 @@ class DecodeStack {
   // Biases and panel weights may be None. Weights are the model's own tensors (no copy): [out, in] fp32 with
   // contiguous rows; a panel weight is the same weight as pack_panels lays it out. sliding_window: this layer's
   // (-1: the stack's, 0: none). q_norm / k_norm: [head_dim] weights of an RMSNorm (the stack's eps) of each query
-  // / key head after the projection and before rotary, or None. *_amx: the weights as pack_amx_weight lays them
-  // out, required for bf16 weights (norm weights and biases may then be bf16 too: the stack keeps fp32 copies).
+  // / key head after the projection and before rotary, or None. *_amx / *_bf16_panels: the weights as
+  // pack_amx_weight / pack_bf16_panels lay them out, one of them required for bf16 weights (norm weights and biases
+  // may then be bf16 too: the stack keeps fp32 copies).
   void add_layer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const std::optional<torch::Tensor>& qkv_bias,
                  const torch::Tensor& o, const std::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
                  const torch::Tensor& gate_up, const std::optional<torch::Tensor>& gate_up_bias,
@@ -40,7 +41,10 @@ class DecodeStack {
                  int64_t sliding_window, const std::optional<torch::Tensor>& q_norm,
                  const std::optional<torch::Tensor>& k_norm, const std::optional<torch::Tensor>& qkv_amx,
                  const std::optional<torch::Tensor>& o_amx, const std::optional<torch::Tensor>& gate_up_amx,
-                 const std::optional<torch::Tensor>& down_amx);
+                 const std::optional<torch::Tensor>& down_amx, const std::optional<torch::Tensor>& qkv_bf16_panels,
+                 const std::optional<torch::Tensor>& o_bf16_panels,
+                 const std::optional<torch::Tensor>& gate_up_bf16_panels,
+                 const std::optional<torch::Tensor>& down_bf16_panels);
 
   // hidden and residual [tokens, hidden_size], fp32 or (both) bf16, in place: in, the stack's input (residual
   // unread without has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
@@ -65,7 +69,7 @@ class DecodeStack {
   class RowShare;
 
   struct Linear {
-    torch::Tensor weight, bias, panels, amx;  // bias, panels and amx may be undefined; bias fp32
+    torch::Tensor weight, bias, panels, amx, bf16_panels;  // all but the weight may be undefined; bias fp32
   };
   struct Layer {
     torch::Tensor input_norm;
@@ -84,9 +88,11 @@ class DecodeStack {
   int64_t run_rows(const Step& step, Rows rows, RowShare* share);
 
   // out [tokens, the weight's out size] = x [tokens, columns] (contiguous rows) W^T + bias; x may be bf16 bits
-  // (an AMX linear's input only).
+  // (a bf16 weight's input only).
   void project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out) const;
   void project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens, float* out) const;
+  // out [tokens, the weight's out size] += the linear's bias, if it has one.
+  void add_bias(const Linear& linear, int64_t num_tokens, float* out) const;
 
   // A bf16 model's rotary, KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their
   // fp32 projections, query and attended their bf16 rows.

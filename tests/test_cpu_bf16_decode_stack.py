@@ -1,0 +1,127 @@
+"""The C++ decoder stack on a bf16 model: its weights on our AMX tiles (CPUs with AMX) or on our bf16 panels
+(AVX512-BF16), the KV cache bf16. Each kernel runs where this CPU has it; the panels run on an AMX CPU too (the
+engine picks the tiles there, this test packs the panels itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_ext.cpu_ops import load_cpu_ops
+from tests.test_cpu_decoder_stack import BLOCK_SIZE, NUM_BLOCKS, as_tuple, attention_batch, random_llama, run
+
+OPS = load_cpu_ops()
+HAS_AMX = OPS is not None and getattr(OPS, "has_amx", False) and OPS.amx_usable()
+HAS_BF16_PANELS = OPS is not None and getattr(OPS, "has_bf16_panels", False)
+KERNELS = [
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles on this CPU (or build)")),
+    pytest.param(
+        "bf16 panels", marks=pytest.mark.skipif(not HAS_BF16_PANELS, reason="no AVX512-BF16 on this CPU (or build)")
+    ),
+]
+
+
+def bf16_llama(kernel: str, **overrides: object) -> torch.nn.Module:
+    """random_llama's model in bf16, its linears packed for `kernel`, the stack built over them."""
+    from model_executor.layers.linear import (
+        BF16_PANEL_MAX_TOKENS,
+        CpuAmxLinearMethod,
+        CpuBf16PanelLinearMethod,
+        PackableWeight,
+    )
+
+    model = random_llama(**overrides)
+    model.to(torch.bfloat16)
+    for rotary in model.rotary_embeddings.values():
+        rotary.float()  # the loader builds the cos/sin tables in fp32 whatever the model's dtype
+    for module in model.modules():
+        if isinstance(module, PackableWeight):
+            if kernel == "amx":
+                method = CpuAmxLinearMethod(OPS)
+            else:
+                method = CpuBf16PanelLinearMethod(OPS, BF16_PANEL_MAX_TOKENS)
+            module.linear_method = method
+            method.process_weights_after_loading(module)
+    assert model.prepare_decode_stack()
+    return model
+
+
+# Both bf16 paths against the same model in fp32 with the bf16 weights' values (activations exact to fp32). They
+# round at different points (the stack keeps the hidden state, residual and MLP sums fp32 between kernels, where the
+# layers round each to bf16), so neither is the other's bits: the stack's error must stay of the layers' size.
+# Measured when written: 0.8-1.6x the layers' mean and worst error (1.6x on head_dim 10, one token).
+ERROR_SLACK = 1.75
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_bias": True, "mlp_bias": True}, {"hidden_size": 40, "intermediate_size": 36}],
+)
+# One token, a few, and 40 (each of 2 threads takes its own 20 through every layer).
+@pytest.mark.parametrize("num_cached", [[9], [5, 17, 2], [(7 * i) % 27 + 1 for i in range(40)]])
+def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
+    kernel: str, overrides: dict[str, object], num_cached: list[int]
+) -> None:
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_cached))).tolist()
+    tables = [blocks[i * 7 : (i + 1) * 7] for i in range(len(num_cached))]
+    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+
+    def decode_step(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [
+            model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, dtype, torch.device("cpu"))
+            for _ in range(model.num_local_layers)
+        ]
+        for cached, table in zip(num_cached, tables, strict=True):
+            run(model, caches, attention_batch([cached], [0], [table]), None)
+        (output,) = as_tuple(run(model, caches, decode, None))
+        return output.float(), caches
+
+    reference = random_llama(**overrides)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(param.bfloat16().float())
+    reference.decode_stack = None
+    exact, _ = decode_step(reference, torch.float32)
+
+    model = bf16_llama(kernel, **overrides)
+    stack_output, stack_caches = decode_step(model, torch.bfloat16)
+    model.decode_stack = None
+    layer_output, _ = decode_step(model, torch.bfloat16)
+    stack_error, layer_error = (stack_output - exact).abs(), (layer_output - exact).abs()
+    summary = (
+        f"stack mean/worst {stack_error.mean():.4f}/{stack_error.max():.4f}, "
+        f"layers {layer_error.mean():.4f}/{layer_error.max():.4f}"
+    )
+    assert stack_error.mean() <= ERROR_SLACK * layer_error.mean(), summary
+    assert stack_error.max() <= ERROR_SLACK * layer_error.max(), summary
+    assert {cache.dtype for cache in stack_caches} == {torch.bfloat16}
+    # Each new token's keys landed in its slot (the prefill alone leaves those rows zero).
+    key_rows = stack_caches[0][0].view(-1, *stack_caches[0].shape[3:])
+    assert all(key_rows[slot].abs().sum() > 0 for slot in decode.slot_mapping)
+
+
+def test_a_bf16_layer_without_kernel_weights_is_refused() -> None:
+    """The stack reads bf16 weights through a kernel's layout only: a bf16 layer given neither is refused."""
+    model = random_llama()
+    model.to(torch.bfloat16)
+    layer = next(iter(model.layers.values()))
+    attn, mlp = layer.self_attn, layer.mlp
+    stack = OPS.DecodeStack(num_heads=4, num_kv_heads=2, head_dim=16, eps=1e-5, scale=0.25, sliding_window=0)
+    with pytest.raises(RuntimeError, match="AMX tiles or bf16 panels"):
+        stack.add_layer(
+            layer.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            None,
+            attn.o_proj.weight,
+            None,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            None,
+            mlp.down_proj.weight,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
