@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cuda_ext.cpu_ops import load_cpu_ops
-from tests.test_cpu_bf16_gemm import assert_within_bound
+from tests.test_cpu_bf16_gemm import assert_same_bits_on_any_number_of_threads, assert_within_bound
 
 OPS = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -89,24 +89,7 @@ def test_amx_linear_refuses_what_it_cannot_take() -> None:
 
 
 def test_amx_linear_gives_the_same_bits_on_any_number_of_threads() -> None:
-    """Threads split the output blocks; each output's sum is one thread's, in one order, whatever the split."""
-    generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(3072, 576, generator=generator).bfloat16()
-    packed = OPS.pack_amx_weight(weight)
-    previous = torch.get_num_threads()
-    try:
-        for num_tokens in (1, 64):
-            x = torch.randn(num_tokens, 576, generator=generator).bfloat16()
-            results = []
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                out = torch.empty(num_tokens, 3072, dtype=torch.bfloat16)
-                OPS.amx_linear(out, x, packed)
-                results.append(out)
-            assert_within_bound(results[0], x, weight)
-            assert all(torch.equal(result, results[0]) for result in results[1:])
-    finally:
-        torch.set_num_threads(previous)
+    assert_same_bits_on_any_number_of_threads(OPS.pack_amx_weight, OPS.amx_linear)
 
 
 def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:

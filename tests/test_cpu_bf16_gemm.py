@@ -8,6 +8,7 @@ K * 2^-24 * sum_k |x_k w_k|, plus, for a bf16 output, one rounding to bf16 (2^-8
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,11 +103,12 @@ def test_bf16_panel_linear_refuses_what_it_cannot_take() -> None:
         OPS.bf16_panel_linear(torch.empty(5, 96), x, panels)
 
 
-def test_bf16_panels_give_the_same_bits_on_any_number_of_threads() -> None:
-    """Threads split the panels; each output's sum is one thread's, in one order, whatever the split."""
+def assert_same_bits_on_any_number_of_threads(pack: Any, linear: Any) -> None:
+    """`linear(out, x, pack(weight))` on 1, 2 and 3 threads at 1 and 64 tokens: the same bits each time, within the
+    bound (threads split the outputs; each output's sum is one thread's, in one order, whatever the split)."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(3072, 576, generator=generator).bfloat16()
-    panels = OPS.pack_bf16_panels(weight)
+    packed = pack(weight)
     previous = torch.get_num_threads()
     try:
         for num_tokens in (1, 64):
@@ -115,12 +117,16 @@ def test_bf16_panels_give_the_same_bits_on_any_number_of_threads() -> None:
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
                 out = torch.empty(num_tokens, 3072, dtype=torch.bfloat16)
-                OPS.bf16_panel_linear(out, x, panels)
+                linear(out, x, packed)
                 results.append(out)
             assert_within_bound(results[0], x, weight)
             assert all(torch.equal(result, results[0]) for result in results[1:])
     finally:
         torch.set_num_threads(previous)
+
+
+def test_bf16_panels_give_the_same_bits_on_any_number_of_threads() -> None:
+    assert_same_bits_on_any_number_of_threads(OPS.pack_bf16_panels, OPS.bf16_panel_linear)
 
 
 @pytest.mark.skipif(

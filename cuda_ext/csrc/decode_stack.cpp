@@ -431,16 +431,7 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           float* value_cache = key_cache + cache.stride(0);
           for (int64_t token = 0; token < count; ++token) {
             float* token_qkv = qkv + token * qkv_rows;
-            if (layer.q_norm.defined()) {
-              rms_norm_heads(token_qkv, num_heads_, head_dim_, layer.q_norm.data_ptr<float>(), eps_);
-            }
-            if (layer.k_norm.defined()) {
-              rms_norm_heads(token_qkv + q_size, num_kv_heads_, head_dim_, layer.k_norm.data_ptr<float>(), eps_);
-            }
-            const float* cos_row = step.cos + (begin + token) * half;
-            const float* sin_row = step.sin + (begin + token) * half;
-            rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
-            rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+            norm_and_rotate(layer, step, begin + token, token_qkv);
             const int64_t slot = step.slots[begin + token];
             if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
               std::memcpy(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size * sizeof(float));
@@ -481,6 +472,21 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
   return rows.end - rows.begin;
 }
 
+void DecodeStack::norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const {
+  const int64_t half = head_dim_ / 2;
+  const int64_t q_size = num_heads_ * head_dim_;
+  if (layer.q_norm.defined()) {
+    rms_norm_heads(token_qkv, num_heads_, head_dim_, layer.q_norm.data_ptr<float>(), eps_);
+  }
+  if (layer.k_norm.defined()) {
+    rms_norm_heads(token_qkv + q_size, num_kv_heads_, head_dim_, layer.k_norm.data_ptr<float>(), eps_);
+  }
+  const float* cos_row = step.cos + row * half;
+  const float* sin_row = step.sin + row * half;
+  rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
+  rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+}
+
 void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
                               int64_t count, float* qkv, c10::BFloat16* query, c10::BFloat16* attended) const {
   const int64_t half = head_dim_ / 2;
@@ -491,16 +497,7 @@ void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch:
   c10::BFloat16* value_cache = key_cache + cache.stride(0);
   for (int64_t token = 0; token < count; ++token) {
     float* token_qkv = qkv + token * qkv_rows;
-    if (layer.q_norm.defined()) {
-      rms_norm_heads(token_qkv, num_heads_, head_dim_, layer.q_norm.data_ptr<float>(), eps_);
-    }
-    if (layer.k_norm.defined()) {
-      rms_norm_heads(token_qkv + q_size, num_kv_heads_, head_dim_, layer.k_norm.data_ptr<float>(), eps_);
-    }
-    const float* cos_row = step.cos + (begin + token) * half;
-    const float* sin_row = step.sin + (begin + token) * half;
-    rotate_heads<float>(token_qkv, num_heads_, head_dim_, half, cos_row, sin_row);
-    rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
+    norm_and_rotate(layer, step, begin + token, token_qkv);
     // Rounded to bf16 once here, as the layer-by-layer path's bf16 query, keys and values are.
     round_to_bf16(query + token * q_size, token_qkv, q_size);
     const int64_t slot = step.slots[begin + token];

@@ -94,6 +94,9 @@ class DecodeStack {
   // out [tokens, the weight's out size] += the linear's bias, if it has one.
   void add_bias(const Linear& linear, int64_t num_tokens, float* out) const;
 
+  // Row `row` of the step's q and k heads in `token_qkv` (fp32), in place: the per-head norms, then rotary.
+  void norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const;
+
   // A bf16 model's rotary, KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their
   // fp32 projections, query and attended their bf16 rows.
   void attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin, int64_t count,

@@ -129,18 +129,26 @@ BF16_PANEL_MAX_TOKENS_WITH_AMX = 4
 BF16_PANEL_MAX_TOKENS = 64
 
 
-class CpuBf16PanelLinearMethod(LinearMethod):
-    """bf16 weights on CPU: our C++ bf16 panel GEMM (`cuda_ext.cpu_ops` pack_bf16_panels / bf16_panel_linear: bf16
-    products, fp32 sums, one rounding to the output's dtype) for calls of up to `max_tokens` tokens, oneDNN's packed
-    bf16 GEMM above that (where this torch build packs bf16; else our kernel at any count)."""
+class CpuBf16KernelLinearMethod(LinearMethod):
+    """bf16 weights on CPU: one of our C++ kernels (bf16 products, fp32 sums, the bias added to the sums, one
+    rounding to the output's dtype) for calls of up to `max_tokens` tokens, oneDNN's packed bf16 GEMM above that
+    (where this torch build packs bf16; else ours at any count)."""
 
     def __init__(self, ops: ModuleType, max_tokens: int):
         self.ops = ops
         self.max_tokens = max_tokens
         self.onednn = OneDnnLinearMethod() if onednn_packing_available(torch.bfloat16) else None
 
+    @abstractmethod
+    def pack(self, layer: PackableWeight) -> None:
+        """Lay the layer's weight out as the kernel reads it, on the layer."""
+
+    @abstractmethod
+    def run_kernel(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """out = x W^T (+ bias) on the kernel, x 2-d with contiguous rows."""
+
     def process_weights_after_loading(self, layer: PackableWeight) -> None:
-        layer.bf16_panel_weight = self.ops.pack_bf16_panels(layer.weight.detach())
+        self.pack(layer)
         if self.onednn is not None:
             self.onednn.process_weights_after_loading(layer)
 
@@ -149,7 +157,16 @@ class CpuBf16PanelLinearMethod(LinearMethod):
             return nn.functional.linear(x, layer.weight, bias)
         if self.onednn is not None and x.shape[0] > self.max_tokens and x.dtype == torch.bfloat16:
             return self.onednn.apply(layer, x, bias)
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        return self.run_kernel(layer, x if x.stride(-1) == 1 else x.contiguous(), bias)
+
+
+class CpuBf16PanelLinearMethod(CpuBf16KernelLinearMethod):
+    """Our bf16 panel GEMM (`cuda_ext.cpu_ops` pack_bf16_panels / bf16_panel_linear, VDPBF16PS: AVX512-BF16)."""
+
+    def pack(self, layer: PackableWeight) -> None:
+        layer.bf16_panel_weight = self.ops.pack_bf16_panels(layer.weight.detach())
+
+    def run_kernel(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is None:
             out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
             self.ops.bf16_panel_linear(out, x, layer.bf16_panel_weight)
@@ -165,29 +182,19 @@ class CpuBf16PanelLinearMethod(LinearMethod):
 AMX_MAX_TOKENS = 128
 
 
-class CpuAmxLinearMethod(LinearMethod):
-    """bf16 weights on a CPU with AMX tiles: our C++ tile GEMM (`cuda_ext.cpu_ops` pack_amx_weight / amx_linear: bf16
-    products, fp32 sums, the bias added to the sums, one rounding to the output's dtype) for calls of up to
-    `max_tokens` tokens, oneDNN's packed bf16 GEMM above that (where this torch build packs bf16)."""
+class CpuAmxLinearMethod(CpuBf16KernelLinearMethod):
+    """Our AMX tile GEMM (`cuda_ext.cpu_ops` pack_amx_weight / amx_linear, TDPBF16PS: Intel Xeon from Sapphire
+    Rapids on)."""
 
     def __init__(self, ops: ModuleType, max_tokens: int = AMX_MAX_TOKENS):
-        self.ops = ops
-        self.max_tokens = max_tokens
-        self.onednn = OneDnnLinearMethod() if onednn_packing_available(torch.bfloat16) else None
+        super().__init__(ops, max_tokens)
 
-    def process_weights_after_loading(self, layer: PackableWeight) -> None:
+    def pack(self, layer: PackableWeight) -> None:
         layer.amx_weight = self.ops.pack_amx_weight(layer.weight.detach())
-        if self.onednn is not None:
-            self.onednn.process_weights_after_loading(layer)
 
-    def apply(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2:
-            return nn.functional.linear(x, layer.weight, bias)
-        if self.onednn is not None and x.shape[0] > self.max_tokens and x.dtype == torch.bfloat16:
-            return self.onednn.apply(layer, x, bias)
+    def run_kernel(self, layer: PackableWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty(x.shape[0], layer.weight.shape[0], dtype=x.dtype, device=x.device)
-        sums_bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
-        self.ops.amx_linear(out, x if x.stride(-1) == 1 else x.contiguous(), layer.amx_weight, sums_bias)
+        self.ops.amx_linear(out, x, layer.amx_weight, bias if bias is None else bias.float())
         return out
 
 
