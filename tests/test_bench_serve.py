@@ -4,10 +4,13 @@ tiny model, and real runs over HTTP against a tiny model deployed on Ray Serve."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import re
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -267,6 +270,20 @@ def sse_body(*payloads: dict | str) -> str:
     return "".join(f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n" for p in payloads)
 
 
+@contextlib.asynccontextmanager
+async def local_server(route: str, answer: Any) -> AsyncIterator[str]:
+    """A real HTTP server on this machine answering POSTs to `route` with `answer`; yields its /v1 base URL."""
+    app = web.Application()
+    app.router.add_post(route, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    finally:
+        await runner.cleanup()
+
+
 def send(status: int, body: str, endpoint: str = "completions") -> RequestRecord:
     """One bench request against a real HTTP server on this machine that answers with `body`."""
 
@@ -274,19 +291,10 @@ def send(status: int, body: str, endpoint: str = "completions") -> RequestRecord
         return web.Response(status=status, body=body.encode(), content_type="text/event-stream")
 
     async def go() -> RequestRecord:
-        app = web.Application()
-        app.router.add_post("/v1/{path:.*}", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
-            config = BenchConfig(base_url=f"http://127.0.0.1:{port}/v1", endpoint=endpoint, timeout=10)
+        async with local_server("/v1/{path:.*}", answer) as base_url:
+            config = BenchConfig(base_url=base_url, endpoint=endpoint, timeout=10)
             async with client_session(max_connections=1) as session:
                 return await send_request(session, config, "m", "hello", 3, 0.0)
-        finally:
-            await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -326,16 +334,9 @@ def test_requests_carry_the_temperature_and_each_its_own_max_tokens():
         return web.Response(body=sse_body(*chunks, "[DONE]").encode(), content_type="text/event-stream")
 
     async def go() -> dict:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
+        async with local_server("/v1/chat/completions", answer) as base_url:
             config = BenchConfig(
-                base_url=f"http://127.0.0.1:{port}/v1",
+                base_url=base_url,
                 model="m",
                 endpoint="chat",
                 num_prompts=12,
@@ -348,8 +349,6 @@ def test_requests_carry_the_temperature_and_each_its_own_max_tokens():
                 timeout=10,
             )
             return await run_benchmark(config)
-        finally:
-            await runner.cleanup()
 
     result = asyncio.run(go())
     expected = output_lengths(12, 8, 0.5, seed=4)

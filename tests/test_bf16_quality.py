@@ -72,7 +72,8 @@ GATE_BOUND_UNITS = 16
 GATE_MIN_EQUAL_PROMPTS = 7
 
 
-# Decode steps through the C++ decoder stack (bf16 on AMX tiles, where the CPU has them) and layer by layer.
+# Decode steps through the C++ decoder stack (bf16 on AMX tiles or bf16 panels, where the CPU has them) and layer by
+# layer.
 @pytest.mark.parametrize("decode_path", ["stack", "layers"])
 def test_bf16_greedy_picks_are_hf_bf16_top_1_within_rounding(
     smollm2_dir: Path, hf_reference: HFReference, decode_path: str
@@ -104,7 +105,7 @@ def test_bf16_greedy_picks_are_hf_bf16_top_1_within_rounding(
     if decode_path == "layers":
         model.decode_stack = None
     elif model.decode_stack is None:
-        pytest.skip("the bf16 decoder stack runs on AMX tiles: this CPU (or build) has none")
+        pytest.skip("the bf16 decoder stack needs AMX tiles or AVX512-BF16: this CPU (or build) has neither")
     prompts = [llm.tokenizer.encode(text) for text in HELD_OUT_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=GATE_NEW_TOKENS, ignore_eos=True)
     completions = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]

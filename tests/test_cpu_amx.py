@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from cuda_ext.cpu_ops import load_cpu_ops
-from tests.test_cpu_bf16_gemm import assert_same_bits_on_any_number_of_threads, assert_within_bound
+from tests.test_cpu_bf16_gemm import (
+    assert_bf16_model_runs_its_linears_on,
+    assert_same_bits_on_any_number_of_threads,
+    assert_within_bound,
+)
 
 OPS = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -93,34 +97,13 @@ def test_amx_linear_gives_the_same_bits_on_any_number_of_threads() -> None:
 
 
 def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:
-    """A bf16 model on an AMX CPU: every projection and the LM head on our AMX kernel up to its token limit (biases
-    included: q/k/v of Qwen 2 have them), oneDNN's beyond, each within the bound; decode steps take the stack."""
-    from configs.sampling_params import SamplingParams
-    from executor import LLM
-    from model_executor.layers.linear import CpuAmxLinearMethod, PackableWeight
+    """On an AMX CPU: our AMX kernel up to its token limit, oneDNN's beyond; decode steps take the stack."""
+    from model_executor.layers.linear import CpuAmxLinearMethod
 
-    llm = LLM(model=str(tiny_qwen2_dir), device="cpu", dtype="bfloat16", num_kv_blocks=16, show_progress=False)
-    model = llm.engine.core.executor.worker.runner.model
-    modules = [module for module in model.modules() if isinstance(module, PackableWeight)]
-    assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(isinstance(module.linear_method, CpuAmxLinearMethod) for module in modules)
+    def amx_sums(qkv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        sums = torch.empty(x.shape[0], qkv.weight.shape[0])
+        OPS.amx_linear(sums, x, qkv.amx_weight, qkv.bias.float())
+        return sums
+
+    model = assert_bf16_model_runs_its_linears_on(tiny_qwen2_dir, CpuAmxLinearMethod, amx_sums, 150)
     assert model.decode_stack is not None
-
-    generator = torch.Generator().manual_seed(9)
-    qkv = next(module for name, module in model.named_modules() if name.endswith("qkv_proj"))
-    method = qkv.linear_method
-    assert qkv.bias is not None
-    for num_tokens in (1, method.max_tokens, method.max_tokens + 1, 150):
-        x = torch.randn(num_tokens, qkv.weight.shape[1], generator=generator).bfloat16()
-        out = method.apply(qkv, x, qkv.bias)
-        assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, qkv.weight.shape[0])
-        x_one = torch.cat([x, torch.ones(num_tokens, 1, dtype=torch.bfloat16)], dim=1)
-        assert_within_bound(out, x_one, torch.cat([qkv.weight, qkv.bias[:, None]], dim=1))
-        if num_tokens <= method.max_tokens:
-            sums = torch.empty(num_tokens, qkv.weight.shape[0])
-            OPS.amx_linear(sums, x, qkv.amx_weight, qkv.bias.float())
-            assert torch.equal(out, sums.bfloat16())
-
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outputs = llm.generate(["one two three"], params, use_tqdm=False)
-    assert len(outputs[0].outputs[0].token_ids) == 6

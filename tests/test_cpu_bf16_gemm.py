@@ -129,29 +129,28 @@ def test_bf16_panels_give_the_same_bits_on_any_number_of_threads() -> None:
     assert_same_bits_on_any_number_of_threads(OPS.pack_bf16_panels, OPS.bf16_panel_linear)
 
 
-@pytest.mark.skipif(
-    OPS is not None and getattr(OPS, "has_amx", False) and OPS.amx_usable(),
-    reason="on a CPU with AMX a bf16 model's linears run on AMX tiles (tests/test_cpu_amx.py)",
-)
-def test_bf16_model_runs_its_linears_on_bf16_panels(tiny_qwen2_dir: Path) -> None:
-    """A bf16 model on CPU: every projection and the LM head on our bf16 panels, each within the bound of the exact
-    product (biases included: q/k/v of Qwen 2 have them) on both sides of the oneDNN crossover; it generates."""
+def assert_bf16_model_runs_its_linears_on(
+    model_dir: Path, method_class: type, kernel_sums: Any, beyond_tokens: int
+) -> torch.nn.Module:
+    """A tiny bf16 Qwen 2 on CPU: every projection and the LM head on `method_class`'s kernel, each within the bound
+    of the exact product (biases included: q/k/v of Qwen 2 have them) on both sides of the oneDNN crossover (up to
+    `beyond_tokens`), the kernel's output the fp32 sums `kernel_sums(qkv, x)` (bias added) rounded once; it
+    generates. Returns the model."""
     from configs.sampling_params import SamplingParams
     from executor import LLM
-    from model_executor.layers.linear import CpuBf16PanelLinearMethod, PackableWeight
+    from model_executor.layers.linear import PackableWeight
 
-    llm = LLM(model=str(tiny_qwen2_dir), device="cpu", dtype="bfloat16", num_kv_blocks=16, show_progress=False)
+    llm = LLM(model=str(model_dir), device="cpu", dtype="bfloat16", num_kv_blocks=16, show_progress=False)
     model = llm.engine.core.executor.worker.runner.model
     modules = [module for module in model.modules() if isinstance(module, PackableWeight)]
     assert len(modules) == 4 * llm.engine.model_info.hf_config.num_hidden_layers + 1
-    assert all(isinstance(module.linear_method, CpuBf16PanelLinearMethod) for module in modules)
-    assert all(module.bf16_panel_weight.dtype == torch.bfloat16 for module in modules)
+    assert all(isinstance(module.linear_method, method_class) for module in modules)
 
     generator = torch.Generator().manual_seed(9)
     qkv = next(module for name, module in model.named_modules() if name.endswith("qkv_proj"))
     method = qkv.linear_method
     assert qkv.bias is not None
-    for num_tokens in (1, method.max_tokens, method.max_tokens + 1, 70):
+    for num_tokens in (1, method.max_tokens, method.max_tokens + 1, beyond_tokens):
         x = torch.randn(num_tokens, qkv.weight.shape[1], generator=generator).bfloat16()
         out = method.apply(qkv, x, qkv.bias)
         assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, qkv.weight.shape[0])
@@ -159,10 +158,26 @@ def test_bf16_model_runs_its_linears_on_bf16_panels(tiny_qwen2_dir: Path) -> Non
         x_one = torch.cat([x, torch.ones(num_tokens, 1, dtype=torch.bfloat16)], dim=1)
         assert_within_bound(out, x_one, torch.cat([qkv.weight, qkv.bias[:, None]], dim=1))
         if num_tokens <= method.max_tokens:
-            sums = torch.empty(num_tokens, qkv.weight.shape[0])
-            OPS.bf16_panel_linear(sums, x, qkv.bf16_panel_weight)
-            assert torch.equal(out, sums.add_(qkv.bias).bfloat16())
+            assert torch.equal(out, kernel_sums(qkv, x).bfloat16())
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate(["one two three"], params, use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 6
+    return model
+
+
+@pytest.mark.skipif(
+    OPS is not None and getattr(OPS, "has_amx", False) and OPS.amx_usable(),
+    reason="on a CPU with AMX a bf16 model's linears run on AMX tiles (tests/test_cpu_amx.py)",
+)
+def test_bf16_model_runs_its_linears_on_bf16_panels(tiny_qwen2_dir: Path) -> None:
+    from model_executor.layers.linear import CpuBf16PanelLinearMethod, PackableWeight
+
+    def panel_sums(qkv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        sums = torch.empty(x.shape[0], qkv.weight.shape[0])
+        OPS.bf16_panel_linear(sums, x, qkv.bf16_panel_weight)
+        return sums.add_(qkv.bias)
+
+    model = assert_bf16_model_runs_its_linears_on(tiny_qwen2_dir, CpuBf16PanelLinearMethod, panel_sums, 70)
+    modules = [module for module in model.modules() if isinstance(module, PackableWeight)]
+    assert all(module.bf16_panel_weight.dtype == torch.bfloat16 for module in modules)

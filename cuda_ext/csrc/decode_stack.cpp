@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 
 #include "attention.h"
 #include "elementwise.h"
@@ -513,25 +514,41 @@ void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch:
                                          /*soft_cap=*/0.f);
 }
 
-void DecodeStack::project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens,
-                          float* out) const {
+template <typename In>
+void DecodeStack::project_bf16_weight(const Linear& linear, const In* x, int64_t columns, int64_t num_tokens,
+                                      float* out) const {
   const int64_t rows = linear.weight.size(0);
 #if defined(PAGEDSERVE_HAS_AMX)
-  if (linear.amx.defined()) {
+  if (linear.amx.defined()) {  // the kernel rounds an fp32 x into its own padded copy
     amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
                       rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
     return;
   }
 #endif
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(linear.bf16_panels.defined(), "a bf16 input runs on AMX tiles or bf16 panels only");
-  bf16_panel_linear_kernel(x, columns, num_tokens,
+  TORCH_CHECK(linear.bf16_panels.defined(), "a bf16 weight runs on AMX tiles or bf16 panels only");
+  const uint16_t* x_bits = nullptr;
+  if constexpr (std::is_same_v<In, float>) {
+    // Rounded once into this thread's scratch: the panels take bf16 x.
+    thread_local std::vector<uint16_t> x_bf16;
+    x_bf16.resize(num_tokens * columns);
+    floats_to_bf16(x_bf16.data(), x, num_tokens * columns);
+    x_bits = x_bf16.data();
+  } else {
+    x_bits = x;
+  }
+  bf16_panel_linear_kernel(x_bits, columns, num_tokens,
                            reinterpret_cast<const uint16_t*>(linear.bf16_panels.data_ptr<at::BFloat16>()), rows,
                            columns, out, rows);
   add_bias(linear, num_tokens, out);
 #else
   TORCH_CHECK(false, "this build has no bf16 kernel");
 #endif
+}
+
+void DecodeStack::project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens,
+                          float* out) const {
+  project_bf16_weight(linear, x, columns, num_tokens, out);
 }
 
 void DecodeStack::add_bias(const Linear& linear, int64_t num_tokens, float* out) const {
@@ -550,23 +567,10 @@ void DecodeStack::add_bias(const Linear& linear, int64_t num_tokens, float* out)
 void DecodeStack::project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens,
                           float* out) const {
   const int64_t rows = linear.weight.size(0);
-#if defined(PAGEDSERVE_HAS_AMX)
-  if (linear.amx.defined()) {
-    amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
-                      rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
+  if (linear.amx.defined() || linear.bf16_panels.defined()) {
+    project_bf16_weight(linear, x, columns, num_tokens, out);
     return;
   }
-#endif
-#if defined(__AVX512BF16__)
-  if (linear.bf16_panels.defined()) {
-    // Rounded once into this thread's scratch: the panels take bf16 x.
-    thread_local std::vector<uint16_t> x_bf16;
-    x_bf16.resize(num_tokens * columns);
-    floats_to_bf16(x_bf16.data(), x, num_tokens * columns);
-    project(linear, x_bf16.data(), columns, num_tokens, out);
-    return;
-  }
-#endif
   if (linear.panels.defined()) {
     panel_linear_kernel(x, columns, num_tokens, linear.panels.data_ptr<float>(), rows, columns, out, rows);
   } else {

@@ -91,6 +91,9 @@ class DecodeStack {
   // (a bf16 weight's input only).
   void project(const Linear& linear, const float* x, int64_t columns, int64_t num_tokens, float* out) const;
   void project(const Linear& linear, const uint16_t* x, int64_t columns, int64_t num_tokens, float* out) const;
+  // project for a bf16 weight (AMX tiles, else bf16 panels), x fp32 or bf16 bits.
+  template <typename In>
+  void project_bf16_weight(const Linear& linear, const In* x, int64_t columns, int64_t num_tokens, float* out) const;
   // out [tokens, the weight's out size] += the linear's bias, if it has one.
   void add_bias(const Linear& linear, int64_t num_tokens, float* out) const;
 
