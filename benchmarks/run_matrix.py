@@ -219,6 +219,21 @@ def bench_server(
     return results
 
 
+def baselines_bench_settings(port: int, dtype: str) -> dict[str, Any]:
+    """`pagedserve bench` settings of the baselines run: the 64-stream scenario again, HF generate and the
+    rooflines in the servers' dtype."""
+    return {
+        "base_url": f"http://127.0.0.1:{port}/v1",
+        "model": MODEL_ID,
+        "disable_tqdm": True,
+        **SCENARIOS["64 streams"],
+        # A fresh seed: the first run's prompts are in the prefix cache now.
+        "seed": 21,
+        "baselines": True,
+        "dtype": dtype,
+    }
+
+
 def offline_figures(offline: OfflineEngine) -> dict[str, float]:
     """The offline LLM API on the 64-stream and 1-stream prompts, and a bare 128-token prefill forward."""
     from configs.sampling_params import SamplingParams
@@ -295,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype",
         choices=DTYPES,
         default="float32",
-        help="precision of both servers and the offline figures (auto: each server's own choice)",
+        help="precision of both servers, the offline figures and the baselines (auto: each server's own choice)",
     )
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
@@ -332,9 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pagedserve", args.port, ours.pid, roofline_model_dir, offline, args.dtype
         )
         if args.baselines:
-            config = {"base_url": f"http://127.0.0.1:{args.port}/v1", "model": MODEL_ID, "disable_tqdm": True}
-            # A fresh seed: the first run's prompts are in the prefix cache now.
-            result = run_client(run_benchmark({**config, **SCENARIOS["64 streams"], "seed": 21, "baselines": True}))
+            result = run_client(run_benchmark(baselines_bench_settings(args.port, args.dtype)))
             report["baselines"] = result.get("baselines")
     finally:
         stop_server(ours)
@@ -432,9 +445,9 @@ def print_report(report: dict[str, Any]) -> None:
     baselines = report.get("baselines")
     if baselines:
         print(
-            f"HF generate best static batch ({baselines['hf_best_batch_size']}): "
-            f"{baselines['hf_best_output_tok_per_s']:.1f} tok/s; our linears alone at batch "
-            f"{baselines['roofline_batch_size']}: {baselines['roofline_tok_per_s']:.1f} tok/s, at batch 1: "
+            f"HF generate best static batch ({baselines['hf_best_batch_size']}, {baselines['hf_dtype']}): "
+            f"{baselines['hf_best_output_tok_per_s']:.1f} tok/s; our linears alone ({baselines['roofline_dtype']}) "
+            f"at batch {baselines['roofline_batch_size']}: {baselines['roofline_tok_per_s']:.1f} tok/s, at batch 1: "
             f"{baselines['roofline_batch1_tok_per_s']:.1f} tok/s"
         )
         ratios["64 streams tok/s vs HF best static batch"] = baselines["ratio_ours_vs_hf_best"]
@@ -462,8 +475,9 @@ def print_report(report: dict[str, Any]) -> None:
     if baselines:
         ceiling = baselines["ceiling"]
         print(
-            f"64-stream workload ceiling (linears alone, {ceiling['prompt_tokens']} prompt tokens at "
-            f"{ceiling['prefill_gflop_per_s']:.0f} GFLOP/s, decode at {ceiling['decode_gflop_per_s']:.0f} GFLOP/s): "
+            f"64-stream workload ceiling (linears alone in {ceiling['dtype']}, {ceiling['prompt_tokens']} prompt "
+            f"tokens at {ceiling['prefill_gflop_per_s']:.0f} GFLOP/s, decode at "
+            f"{ceiling['decode_gflop_per_s']:.0f} GFLOP/s): "
             f"{ceiling['output_tok_per_s']:.1f} tok/s; TTFT p50 floor {baselines['ttft_p50_floor_ms']:.0f} ms"
         )
         ratios["64 streams tok/s vs workload ceiling"] = baselines["ratio_ours_vs_ceiling"]

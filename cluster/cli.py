@@ -309,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument(
         "--roofline-iterations", type=int, default=20, help="timed linears-only decode steps per batch size"
     )
+    bench_serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="precision of the baselines, the one the server serves (auto: as the engine resolves it on this machine)",
+    )
     bench_serve.set_defaults(handler=cmd_bench)
 
     soak = commands.add_parser(

@@ -1,5 +1,5 @@
-"""Decode steps through the C++ decoder stack: one call runs all of a stage's layers (CPU, one TP rank; fp32, or bf16
-where the CPU has bf16 dot products).
+"""Decode steps, and steps with short prefill chunks, through the C++ decoder stack: one call runs all of a stage's
+layers (CPU, one TP rank; fp32, or bf16 where the CPU has bf16 dot products).
 
 The layer-by-layer path makes about 30 small calls per layer, each a Python call and a dispatch; the stack makes
 one per step. Its projections run our panel kernel on the layers' panel weights (bf16: our AMX kernel on their tile
@@ -7,6 +7,11 @@ weights, or else our bf16 panel kernel on their bf16 panels), as the linear laye
 model files know nothing of it beyond the class flag `supports_decode_stack`: the model loader asks
 `with_decode_stack(cls)` for a variant with `DecodeStackMixin` on CPU with our kernels on, and
 `prepare_decode_stack` builds the stack once the weights are loaded and packed, or logs why it does not apply.
+
+A step with prefill chunks runs the stack where every chunk fits our prefill attention kernel (at most
+PREFILL_KERNEL_MAX_KEYS keys, head_dim a multiple of the vector lanes) and the step has at most
+STACK_MAX_PREFILL_STEP_TOKENS tokens; the chunks' rows then attend with that kernel inside the stack, after every
+row's keys are written. Other steps with chunks run layer by layer.
 
 The stack runs the pre-norm Llama layer shape (`LlamaDecoderLayer`: RMSNorm, attention, RMSNorm, SwiGLU MLP) with
 optional q/k/v, o and MLP biases, one default rope table, one scale, and per layer a sliding window and per-head q/k
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cuda_ext.attention.cpu_backend import CpuAttentionBackend
+from cuda_ext.attention.cpu_backend import PREFILL_KERNEL_MAX_CACHE_ELEMENTS, CpuAttentionBackend
 from cuda_ext.cpu_ops import load_cpu_ops
 from model_executor.layers.norm import RMSNorm
 from model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -37,6 +42,19 @@ def stack_takes_keyword(ops: Any, keyword: str) -> bool:
     """Whether the built extension's `DecodeStack.add_layer` takes `keyword` (pybind lists named arguments in the
     docstring): per-layer windows and q/k norms came with a later build."""
     return keyword in (getattr(ops.DecodeStack.add_layer, "__doc__", None) or "")
+
+
+# Steps with prefill chunks and more tokens than this run layer by layer: past it oneDNN's GEMM (the layers' linears
+# over 128 tokens) beats our AMX kernel by more than the stack saves in per-layer calls.
+STACK_MAX_PREFILL_STEP_TOKENS = 512
+
+
+def stack_runs_prefill(ops: Any, attention: CpuAttentionBackend) -> bool:
+    """Whether the built stack takes prefill chunks (a later build) with this head size (the prefill kernel's
+    vector path holds whole head rows)."""
+    return "prefill_query_starts" in (getattr(ops.DecodeStack.forward, "__doc__", None) or "") and (
+        attention.prefill_kernel_head_dim
+    )
 
 
 def _layer_shape_reason(layer: nn.Module) -> str | None:
@@ -159,11 +177,12 @@ def build_decode_stack(model: nn.Module) -> Any:
 
 
 class DecodeStackMixin:
-    """Mixed in before a `CausalLMBase` family (by `with_decode_stack`): decode-only steps run the C++ stack once
-    `prepare_decode_stack` has built it; steps with a prefill chunk, and all steps while `decode_stack` is None, run
-    the layers one by one."""
+    """Mixed in before a `CausalLMBase` family (by `with_decode_stack`): once `prepare_decode_stack` has built the
+    C++ stack, the steps `stack_runs_step` allows run it; other steps, and all steps while `decode_stack` is None,
+    run the layers one by one."""
 
     decode_stack: Any = None
+    stack_runs_prefill = False  # whether steps with (short) prefill chunks run it too
 
     def prepare_decode_stack(self) -> bool:
         """Build the stack over the loaded (and packed) weights; False, with the reason logged, where it does not
@@ -174,7 +193,23 @@ class DecodeStackMixin:
             self.decode_stack = None
             return False
         self.decode_stack = build_decode_stack(self)
+        self.stack_runs_prefill = stack_runs_prefill(load_cpu_ops(), self.attention_backend)
         return True
+
+    def stack_runs_step(self, attn_metadata: Any, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step runs the stack: decodes, and prefill chunks short enough for the prefill kernel where
+        the built stack takes them (longer chunks run SDPA layer by layer: over long key runs its GEMM tiles win)."""
+        if self.decode_stack is None or (self.lora_batch is not None and self.lora_batch.active):
+            return False
+        prefill = attn_metadata.prefill
+        if prefill is None:
+            return True
+        return (
+            self.stack_runs_prefill
+            and prefill.fits_kernel
+            and attn_metadata.slot_mapping.shape[0] <= STACK_MAX_PREFILL_STEP_TOKENS
+            and kv_caches[0][0].numel() <= PREFILL_KERNEL_MAX_CACHE_ELEMENTS
+        )
 
     def forward(
         self,
@@ -186,14 +221,23 @@ class DecodeStackMixin:
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens = input_ids.shape[0]
-        lora_rows = self.lora_batch is not None and self.lora_batch.active
-        if self.decode_stack is None or attn_metadata.num_decodes != num_tokens or lora_rows:
+        if not self.stack_runs_step(attn_metadata, kv_caches):
             return super().forward(input_ids, positions, kv_caches, attn_metadata, intermediate, output_rows)
         cos, sin = self.rotary.cos_sin(positions)
         hidden_states, residual = self.stage_input(input_ids, intermediate)
         has_residual = residual is not None
         if residual is None:
             residual = torch.empty_like(hidden_states)
+        prefill = attn_metadata.prefill
+        chunks = (
+            {}
+            if prefill is None
+            else {
+                "prefill_block_tables": prefill.block_tables,
+                "prefill_query_starts": prefill.query_starts,
+                "prefill_seq_lens": prefill.seq_lens,
+            }
+        )
         # Updates hidden_states and residual in place, through every layer of this stage.
         self.decode_stack.forward(
             hidden_states,
@@ -206,6 +250,7 @@ class DecodeStackMixin:
             cos.view(num_tokens, -1),
             sin.view(num_tokens, -1),
             attn_metadata.decodes_share_sequences,
+            **chunks,
         )
         return self.stage_output(hidden_states, residual, output_rows)
 

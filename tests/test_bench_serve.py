@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from cluster.bench.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
+from cluster.bench.baselines import cpu_dtype_name, hf_generate_throughput, matmul_roofline, workload_ceiling
 from cluster.bench.client import RequestRecord, client_session, run_client, send_request
 from cluster.bench.config import BenchConfig, parse_batch_sizes
 from cluster.bench.serving import baseline_model_dir, run_benchmark
@@ -190,9 +190,10 @@ def test_the_cli_flags_map_onto_the_config():
 
     parser = build_parser()
     defaults = BenchConfig.from_any(parser.parse_args(["bench"]))
-    assert (defaults.temperature, defaults.random_range_ratio) == (0.0, 0.0)
+    assert (defaults.temperature, defaults.random_range_ratio, defaults.dtype) == (0.0, 0.0, "auto")
     args = parser.parse_args(["bench", "--temperature", "0.8", "--random-range-ratio", "0.775"])
     assert (BenchConfig.from_any(args).temperature, BenchConfig.from_any(args).random_range_ratio) == (0.8, 0.775)
+    assert BenchConfig.from_any(parser.parse_args(["bench", "--dtype", "bfloat16"])).dtype == "bfloat16"
     bad = parser.parse_args(["bench", "--base-url", "http://127.0.0.1:9/v1", "--random-range-ratio", "1.5"])
     with pytest.raises(ValueError, match="random_range_ratio"):
         asyncio.run(run_benchmark(bad))
@@ -249,6 +250,17 @@ def test_workload_ceiling_adds_up_the_prefill_and_decode_matmuls(tiny_model_dir)
     assert ceiling["output_tok_per_s"] == pytest.approx(4 * 5 / total_s)
     # The first half of the burst (two requests, 40 of the 100 prompt tokens) is prefilled first.
     assert ceiling["ttft_p50_floor_s"] == pytest.approx(ceiling["prefill_linears_s"] * 40 / 100)
+    # dtype auto on a float32 checkpoint: float32 weights, as the engine loads them on CPU.
+    assert ceiling["dtype"] == "float32"
+
+
+def test_workload_ceiling_in_bfloat16_times_bfloat16_weights(tiny_model_dir):
+    ceiling = workload_ceiling(
+        tiny_model_dir, [30, 10], 3, prefill_chunk_tokens=32, iterations=2, dtype="bfloat16", show_progress=False
+    )
+    # Read from the weights the roofline timed: the float32 checkpoint was loaded as bf16.
+    assert ceiling["dtype"] == "bfloat16"
+    assert ceiling["output_tok_per_s"] > 0 and ceiling["ttft_p50_floor_s"] > 0
 
 
 def test_hf_generate_throughput_on_the_tiny_model(tiny_model_dir):
@@ -260,6 +272,25 @@ def test_hf_generate_throughput_on_the_tiny_model(tiny_model_dir):
         assert run["output_tok_per_s"] > 0
         assert run["elapsed_s"] > 0
         assert run["prompt_tokens"] >= 4 * 6
+        assert run["dtype"] == "float32"
+
+
+def test_hf_generate_throughput_in_bfloat16(tiny_model_dir):
+    prompts = synthetic_prompts(2, 6, seed=5)
+    runs = hf_generate_throughput(tiny_model_dir, prompts, 3, [2], dtype="bfloat16", show_progress=False)
+    assert [run["dtype"] for run in runs] == ["bfloat16"]
+    assert runs[0]["generated_tokens"] == 2 * 3 and runs[0]["output_tok_per_s"] > 0
+    with pytest.raises(ValueError, match="float64"):
+        hf_generate_throughput(tiny_model_dir, prompts, 3, [2], dtype="float64", show_progress=False)
+
+
+def test_auto_dtype_on_cpu_follows_the_checkpoint_and_the_cpu(tiny_model_dir, tmp_path):
+    # A float32 checkpoint stays float32 on CPU; a bfloat16 one runs bf16 where the CPU has bf16 dot products.
+    assert cpu_dtype_name(tiny_model_dir, "auto") == "float32"
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    assert cpu_dtype_name(tmp_path, "auto") == ("bfloat16" if cpu_has_bf16_dot_products() else "float32")
+    assert cpu_dtype_name(tmp_path, "float32") == "float32"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,6 +477,7 @@ def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, t
     argv = ["bench", "--base-url", bench_url, "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
     argv += ["--request-rate", "20", "--seed", "3", "--output-json", str(output), "--disable-tqdm"]
     argv += ["--baselines", "--model-dir", str(tiny_model_dir), "--hf-batch-sizes", "2,4", "--roofline-iterations", "3"]
+    argv += ["--dtype", "bfloat16"]
     assert main(argv) == 0
     saved = json.loads(output.read_text())
     assert saved["summary"]["completed"] == 8
@@ -476,9 +508,13 @@ def test_poisson_run_through_the_cli_with_baselines(bench_url, tiny_model_dir, t
     assert baselines["ratio_ours_vs_ceiling"] == pytest.approx(
         saved["summary"]["output_throughput"] / baselines["ceiling_tok_per_s"]
     )
+    # --dtype reaches every baseline: HF's model, the rooflines' and the ceiling's weights (float32 on disk).
+    assert (baselines["dtype"], baselines["hf_dtype"], baselines["roofline_dtype"]) == ("bfloat16",) * 3
+    assert baselines["roofline_batch1"]["dtype"] == baselines["ceiling"]["dtype"] == "bfloat16"
     printed = capsys.readouterr().out
     assert "Baselines" in printed and "Ours / HF best:" in printed and "Ours / roofline" in printed
     assert "Workload ceiling" in printed and "TTFT p50 floor" in printed
+    assert "bfloat16 / bfloat16" in printed
 
 
 @pytest.mark.serve

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from cuda_ext.cpu_ops import load_cpu_ops
-from tests.test_cpu_decoder_stack import BLOCK_SIZE, NUM_BLOCKS, as_tuple, attention_batch, random_llama, run
+from tests.test_cpu_decoder_stack import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    as_tuple,
+    attention_batch,
+    random_llama,
+    run,
+    stack_takes_step,
+)
 
 OPS = load_cpu_ops()
 HAS_AMX = OPS is not None and getattr(OPS, "has_amx", False) and OPS.amx_usable()
@@ -58,14 +66,26 @@ ERROR_SLACK = 1.75
     "overrides",
     [{}, {"attention_bias": True, "mlp_bias": True}, {"hidden_size": 40, "intermediate_size": 36}],
 )
-# One token, a few, and 40 (each of 2 threads takes its own 20 through every layer).
-@pytest.mark.parametrize("num_cached", [[9], [5, 17, 2], [(7 * i) % 27 + 1 for i in range(40)]])
-def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
-    kernel: str, overrides: dict[str, object], num_cached: list[int]
+# (new tokens, cached tokens) per request, decodes first: one decode, a few, 40 (each of 2 threads takes its own 20
+# through every layer); decodes with prefill chunks, and a fresh 70-token prompt alone.
+@pytest.mark.parametrize(
+    ("num_new", "num_cached"),
+    [
+        ([1], [9]),
+        ([1] * 3, [5, 17, 2]),
+        ([1] * 40, [(7 * i) % 27 + 1 for i in range(40)]),
+        ([1, 1, 7], [3, 6, 0]),
+        ([1, 4, 9, 2], [20, 0, 5, 3]),
+        ([70], [0]),
+    ],
+)
+def test_bf16_steps_through_the_stack_are_as_close_to_exact_as_layer_by_layer(
+    kernel: str, overrides: dict[str, object], num_new: list[int], num_cached: list[int]
 ) -> None:
     blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_cached))).tolist()
-    tables = [blocks[i * 7 : (i + 1) * 7] for i in range(len(num_cached))]
-    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+    width = -(-max(new + cached for new, cached in zip(num_new, num_cached, strict=True)) // BLOCK_SIZE)
+    tables = [blocks[i * width : (i + 1) * width] for i in range(len(num_cached))]
+    decode = attention_batch(num_new, num_cached, tables)
 
     def decode_step(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
         caches = [
@@ -73,7 +93,8 @@ def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
             for _ in range(model.num_local_layers)
         ]
         for cached, table in zip(num_cached, tables, strict=True):
-            run(model, caches, attention_batch([cached], [0], [table]), None)
+            if cached:
+                run(model, caches, attention_batch([cached], [0], [table]), None)
         (output,) = as_tuple(run(model, caches, decode, None))
         return output.float(), caches
 
@@ -85,6 +106,7 @@ def test_bf16_decode_through_the_stack_is_as_close_to_exact_as_layer_by_layer(
     exact, _ = decode_step(reference, torch.float32)
 
     model = bf16_llama(kernel, **overrides)
+    assert stack_takes_step(model, num_new, num_cached) == (model.stack_runs_prefill or max(num_new) == 1)
     stack_output, stack_caches = decode_step(model, torch.bfloat16)
     model.decode_stack = None
     layer_output, _ = decode_step(model, torch.bfloat16)

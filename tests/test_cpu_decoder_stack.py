@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cuda_ext.attention.base import AttentionBatch
+from cuda_ext.attention.cpu_backend import PREFILL_KERNEL_MAX_KEYS
 from cuda_ext.cpu_ops import load_cpu_ops
 from model_executor.cpu_decode_stack import CpuDecodeStackLlama as LlamaForCausalLM
 from model_executor.parallel_state import ParallelContext
@@ -236,17 +237,107 @@ def test_draft_rows_of_one_sequence_through_the_stack_match_a_prefill_chunk_of_t
         torch.testing.assert_close(row_cache, chunk_cache, atol=1e-4, rtol=1e-4)
 
 
-def test_a_step_with_a_prefill_chunk_runs_layer_by_layer() -> None:
-    """The stack takes decode tokens only: a step that also prefills a prompt chunk must not call it."""
-    model = random_llama()
-    num_cached = [2] * 5
-    tables = [list(range(i * 3, i * 3 + 3)) for i in range(len(num_cached) + 1)]
+def step_with_and_without_stack(
+    model: LlamaForCausalLM, num_new: list[int], num_cached: list[int], stage_input: Any = None
+) -> dict[str, tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]]:
+    """One step (request i adds num_new[i] tokens after num_cached[i] cached ones, decodes first) run by the stack
+    and layer by layer from the same caches: name -> (outputs, caches after the step). The cached prefixes are
+    written layer by layer, so both paths start from the same bits."""
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(sum(num_new) + sum(num_cached)))
+    width = -(-max(new + cached for new, cached in zip(num_new, num_cached, strict=True)) // BLOCK_SIZE)
+    tables = [blocks[i * width : (i + 1) * width].tolist() for i in range(len(num_new))]
+    stack = model.decode_stack
+    model.decode_stack = None
     caches = new_caches(model)
-    for cached, table in zip(num_cached, tables[:-1], strict=True):
-        run(model, caches, attention_batch([cached], [0], [table]), None)
+    hidden_size = model.config.hidden_size
+    generator = torch.Generator().manual_seed(5)
+    for cached, table in zip(num_cached, tables, strict=True):
+        if cached:
+            prefix = None if stage_input is None else tuple(torch.randn(cached, hidden_size) for _ in range(2))
+            run(model, caches, attention_batch([cached], [0], [table]), prefix)
+    step = attention_batch(num_new, num_cached, tables)
+    step_input = None
+    if stage_input is not None:
+        step_input = tuple(torch.randn(sum(num_new), hidden_size, generator=generator) for _ in range(2))
+    results = {}
+    for name, decode_stack in (("stack", stack), ("layers", None)):
+        model.decode_stack = decode_stack
+        step_caches = [cache.clone() for cache in caches]
+        inputs = None if step_input is None else tuple(t.clone() for t in step_input)
+        results[name] = (as_tuple(run(model, step_caches, step, inputs)), step_caches)
+    model.decode_stack = stack
+    return results
+
+
+def stack_takes_step(model: LlamaForCausalLM, num_new: list[int], num_cached: list[int]) -> bool:
+    """Whether `model` runs such a step through its stack."""
+    tables = [list(range(NUM_BLOCKS))] * len(num_new)
+    metadata = model.attention_backend.build_metadata(attention_batch(num_new, num_cached, tables), BLOCK_SIZE, CPU)
+    return model.stack_runs_step(metadata, new_caches(model))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pp_rank", "pp_size"),
+    [
+        ({}, 0, 1),
+        ({"panels": True}, 0, 1),
+        ({"panels": True, "attention_bias": True, "mlp_bias": True}, 0, 1),
+        ({"panels": True, "sliding_window": 6}, 0, 1),
+        ({"panels": True, "num_key_value_heads": 1}, 0, 1),
+        ({"panels": True}, 0, 2),  # a first pipeline stage hands (hidden, residual) on
+        ({"panels": True}, 1, 2),  # a later one starts from them
+    ],
+)
+# (new tokens, cached tokens) per request, decodes first: decodes with a fresh prompt, with a chunk after a cached
+# prefix, several chunks, chunks alone (a fresh prompt of 70 tokens: more than one prefill tile and register block).
+@pytest.mark.parametrize(
+    ("num_new", "num_cached"),
+    [
+        ([1, 1, 7], [3, 6, 0]),
+        ([1, 1, 1, 5], [9, 2, 14, 11]),
+        ([1, 4, 9, 2], [20, 0, 5, 30]),
+        ([70], [0]),
+        ([13, 33], [19, 0]),
+    ],
+)
+def test_steps_with_prefill_chunks_through_the_stack_match_layer_by_layer(
+    overrides: dict[str, Any], pp_rank: int, pp_size: int, num_new: list[int], num_cached: list[int]
+) -> None:
+    model = random_llama(pp_rank, pp_size, **overrides)
+    assert stack_takes_step(model, num_new, num_cached)
+    results = step_with_and_without_stack(model, num_new, num_cached, stage_input=pp_rank > 0 or None)
+    (stack_outputs, stack_caches), (layer_outputs, layer_caches) = results["stack"], results["layers"]
+    assert len(stack_outputs) == (1 if pp_rank == pp_size - 1 else 2)
+    for stack_output, layer_output in zip(stack_outputs, layer_outputs, strict=True):
+        assert stack_output.shape == (sum(num_new), model.config.hidden_size)
+        torch.testing.assert_close(stack_output, layer_output, atol=1e-4, rtol=1e-4)
+    for stack_cache, layer_cache in zip(stack_caches, layer_caches, strict=True):
+        torch.testing.assert_close(stack_cache, layer_cache, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "num_new", "num_cached"),
+    [
+        # A chunk past the prefill kernel's keys: SDPA's GEMM tiles win over long key runs.
+        ({"max_position_embeddings": 512}, [1, 1, 40], [3, 6, PREFILL_KERNEL_MAX_KEYS - 20]),
+        # head_dim 10: the prefill kernel's vector path holds whole head rows of 16 lanes.
+        ({"hidden_size": 40, "intermediate_size": 36}, [1, 6], [3, 0]),
+        # Short chunks, but more tokens in the step than STACK_MAX_PREFILL_STEP_TOKENS: oneDNN's GEMM wins there.
+        ({}, [1, 1, 1] + [110] * 5, [4, 9, 2] + [0] * 5),
+    ],
+)
+def test_steps_the_prefill_kernel_cannot_take_run_layer_by_layer(
+    overrides: dict[str, Any], num_new: list[int], num_cached: list[int]
+) -> None:
+    model = random_llama(**overrides)
+    assert not stack_takes_step(model, num_new, num_cached)
+    stack = model.decode_stack
     model.decode_stack = "not a stack"  # calling it would raise
-    output = run(model, caches, attention_batch([1] * len(num_cached) + [4], [*num_cached, 0], tables), None)
-    assert output.shape == (len(num_cached) + 4, model.config.hidden_size)
+    try:
+        results = step_with_and_without_stack(model, num_new, num_cached)
+    finally:
+        model.decode_stack = stack
+    assert results["stack"][0][0].shape == (sum(num_new), model.config.hidden_size)
 
 
 def test_a_slot_outside_the_cache_is_refused_not_written() -> None:

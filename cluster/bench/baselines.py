@@ -1,11 +1,15 @@
 """Reference throughputs to put our numbers in context, measured on the same machine.
 
-* `hf_generate_throughput`: HF transformers `generate` (greedy, float32 on CPU, left padding, static batches) over
-  given prompts, exactly `output_len` new tokens per prompt, at several batch sizes.
+* `hf_generate_throughput`: HF transformers `generate` (greedy, on CPU, left padding, static batches) over given
+  prompts, exactly `output_len` new tokens per prompt, at several batch sizes.
 * `matmul_roofline`: only the linear layers of our own model (every layer's qkv/o/gate_up/down projections plus the
   LM head, with the weights `ModelRunner` loads) on random activations, as one decode step of `batch_size` tokens.
   No attention, norms, sampling, scheduling or HTTP: an upper bound for our decode throughput at that batch.
 * `workload_ceiling`: the roofline summed over a whole burst of requests (their prefill, then their decode steps).
+
+Each takes the engine's `dtype` names ("auto", "float32", "bfloat16", "float16"), so a benchmark measures its
+baselines in the precision its server serves; every result names the precision it ran in (`dtype`). "auto" resolves
+as the engine resolves it on the device the baseline runs on (HF generate: always the CPU).
 
 Plain functions of a model directory, shared by `pagedserve bench --baselines`, `pagedserve bench-offline` and
 `benchmarks/run_matrix.py`.
@@ -34,23 +38,28 @@ def hf_generate_throughput(
     batch_sizes: Sequence[int],
     *,
     chat: bool = False,
+    dtype: str = "float32",
     show_progress: bool = True,
 ) -> list[dict[str, Any]]:
     """One run per batch size over all `prompts`, in order, in static batches; returns one dict per run.
 
-    Greedy, `max_new_tokens = min_new_tokens = output_len` (EOS cannot end a row early), left padding, float32 on
-    CPU, after one small untimed warm-up generate. The prompts are tokenized as our server does: completion prompts
-    with the tokenizer's special tokens, chat prompts (`chat=True`: each prompt is one user message) through the
-    chat template with no extra special tokens. Tokenization counts in the timed time. Raises RuntimeError if a
-    batch does not produce exactly `output_len` new tokens per row.
+    Greedy, `max_new_tokens = min_new_tokens = output_len` (EOS cannot end a row early), left padding, on CPU in
+    `dtype` ("auto" as the engine picks on this CPU, `cpu_dtype_name`), after one small untimed warm-up generate.
+    The prompts are tokenized as our server does: completion prompts with the tokenizer's special tokens, chat
+    prompts (`chat=True`: each prompt is one user message) through the chat template with no extra special tokens.
+    Tokenization counts in the timed time. Each run's `dtype` is the loaded model's. Raises RuntimeError if a batch
+    does not produce exactly `output_len` new tokens per row.
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model_executor.model_info import DTYPES
 
     if not prompts:
         raise ValueError("no prompts")
     if output_len < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"output_len and every batch size must be >= 1, got {output_len} and {list(batch_sizes)}")
+    torch_dtype = DTYPES[cpu_dtype_name(model_dir, dtype)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -64,7 +73,9 @@ def hf_generate_throughput(
         ]
     else:
         texts = list(prompts)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cpu").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to("cpu").eval()
+    # Read back from the loaded weights: the precision HF actually ran, not the one asked for.
+    run_dtype = str(model.dtype).removeprefix("torch.")
     generate_args = {
         "do_sample": False,
         "max_new_tokens": output_len,
@@ -106,11 +117,13 @@ def hf_generate_throughput(
                 "prompt_tokens": prompt_tokens,
                 "generated_tokens": generated_tokens,
                 "output_tok_per_s": generated_tokens / elapsed,
+                "dtype": run_dtype,
                 "torch_threads": torch.get_num_threads(),
             }
             logger.info(
-                "HF generate batch %d: %d tokens in %.2f s = %.1f output tok/s",
+                "HF generate batch %d (%s): %d tokens in %.2f s = %.1f output tok/s",
                 batch_size,
+                run_dtype,
                 generated_tokens,
                 elapsed,
                 run["output_tok_per_s"],
@@ -121,6 +134,20 @@ def hf_generate_throughput(
     for run in runs:
         run["prompt_token_counts"] = prompt_token_counts
     return runs
+
+
+def cpu_dtype_name(model_dir: str | Path, dtype: str) -> str:
+    """`dtype` (an engine dtype name) for a run on CPU: "auto" as the engine resolves it there (the checkpoint's
+    precision and this CPU's bf16 support, `resolve_auto_dtype`), any other name as given."""
+    from model_executor.cpu_features import cpu_has_bf16_dot_products
+    from model_executor.model_info import DTYPES, checkpoint_dtype_name, read_hf_config, resolve_auto_dtype
+
+    if dtype == "auto":
+        checkpoint_dtype = checkpoint_dtype_name(read_hf_config(Path(model_dir)))
+        return resolve_auto_dtype(checkpoint_dtype, "cpu", cpu_has_bf16_dot_products()).dtype_name
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,7 +196,7 @@ def matmul_roofline(
     them (`model_executor.layers.greedy_screen`), its bf16 matmul; `greedy_head=False` (or no screen) times the
     fp32 head that sampled rows take.
 
-    The weights are those `ModelRunner` loads (device and dtype resolved as the engine does: float32 on CPU); the
+    The weights are those `ModelRunner` loads (`device` and `dtype` resolved as the engine resolves them); the
     inputs are random activations of each layer's input width, made once. Each timed step runs every layer's
     qkv/o/gate_up/down projection and the LM head under `torch.inference_mode`; `warmup` untimed steps first, then
     the median of `iterations`. tok/s = batch_size / median step time.
@@ -260,6 +287,8 @@ def workload_ceiling(
     output_len: int,
     prefill_chunk_tokens: int = 512,
     iterations: int = 10,
+    *,
+    dtype: str = "auto",
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """The fastest this machine can serve a burst of requests (all sent at once, `output_len` tokens each) when
@@ -268,13 +297,14 @@ def workload_ceiling(
     Every prompt token goes through the layers' matmuls once (timed at `prefill_chunk_tokens` rows, the
     engine's chunk), then every later token of every request through one decode step at the full batch, LM head
     included. Attention, norms, sampling, the first tokens' LM head rows and all serving work come on top.
-    The TTFT p50 floor prefills the requests one after another, in arrival order, at that same rate.
+    The TTFT p50 floor prefills the requests one after another, in arrival order, at that same rate. The weights
+    are `dtype`'s, as `matmul_roofline` loads them.
     """
     num_requests = len(prompt_token_counts)
     prefill = matmul_roofline(
-        model_dir, prefill_chunk_tokens, iterations, show_progress=show_progress, include_lm_head=False
+        model_dir, prefill_chunk_tokens, iterations, dtype=dtype, show_progress=show_progress, include_lm_head=False
     )
-    decode = matmul_roofline(model_dir, num_requests, iterations, show_progress=show_progress)
+    decode = matmul_roofline(model_dir, num_requests, iterations, dtype=dtype, show_progress=show_progress)
     prefill_s_per_token = prefill["step_time_s"] / prefill_chunk_tokens
     prefill_s = prefill_s_per_token * sum(prompt_token_counts)
     decode_s = decode["step_time_s"] * (output_len - 1)
@@ -291,4 +321,5 @@ def workload_ceiling(
         "decode_linears_s": decode_s,
         "output_tok_per_s": num_requests * output_len / (prefill_s + decode_s),
         "ttft_p50_floor_s": ttft_p50_floor_s,
+        "dtype": decode["dtype"],
     }

@@ -37,6 +37,8 @@ class BenchConfig:
     model_dir: str | None = None  # the served model's HF directory; None: resolve the served id if it is an alias
     hf_batch_sizes: tuple[int, ...] = (8, 16, 32)  # static batch sizes tried for HF generate (a "8,16" string works)
     roofline_iterations: int = 20  # timed linear-only decode steps per batch size (median taken)
+    # The baselines' precision, the one the server serves; auto: as the engine resolves it (`resolve_auto_dtype`).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         self.hf_batch_sizes = parse_batch_sizes(self.hf_batch_sizes)
@@ -64,6 +66,8 @@ class BenchConfig:
             raise ValueError(f"request_rate must be positive or inf, got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 or None, got {self.max_concurrency}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.baselines and self.roofline_iterations < 1:
             raise ValueError(f"roofline_iterations must be >= 1, got {self.roofline_iterations}")
 

@@ -95,8 +95,9 @@ def machine_description() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
-def pagedserve_run(args: argparse.Namespace, prompts: list[str]) -> OfflineRun:
-    """Our `LLM` on the prompts, prefix caching off (the prompts share no prefix worth caching)."""
+def pagedserve_run(args: argparse.Namespace, prompts: list[str]) -> tuple[OfflineRun, str]:
+    """Our `LLM` on the prompts, prefix caching off (the prompts share no prefix worth caching); returns the run and
+    the dtype the engine ran in."""
     from configs.sampling_params import SamplingParams
     from executor.llm import LLM
 
@@ -108,33 +109,36 @@ def pagedserve_run(args: argparse.Namespace, prompts: list[str]) -> OfflineRun:
     )
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    return time_generate(llm, prompts, params, use_tqdm=True)
+    return time_generate(llm, prompts, params, use_tqdm=True), llm.engine.model_info.dtype_name
 
 
 def run_offline_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """`pagedserve bench-offline`: our `LLM.generate` against HF `generate` at each static batch size, same
-    prompts, same greedy `max_tokens`; prints the comparison and returns (and optionally writes) the report."""
+    prompts, same greedy `max_tokens`, HF in the dtype our engine ran in; prints the comparison and returns (and
+    optionally writes) the report."""
     from cluster.bench.baselines import hf_generate_throughput
     from cluster.bench.config import parse_batch_sizes
     from model_executor.model_fetch import resolve_model
 
     batch_sizes = parse_batch_sizes(args.hf_batch_sizes)
     prompts = synthetic_prompts(args.num_prompts, args.prompt_words, args.seed)
-    ours = pagedserve_run(args, prompts)
-    logger.info("pagedserve LLM.generate: %.1f output tok/s", ours.output_tok_per_s)
+    ours, dtype = pagedserve_run(args, prompts)
+    logger.info("pagedserve LLM.generate (%s): %.1f output tok/s", dtype, ours.output_tok_per_s)
     report: dict[str, Any] = {
         "machine": machine_description(),
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
+        "dtype": dtype,
         "pagedserve": ours.as_dict(),
     }
     lines = [
         f"machine: {report['machine']}",
         f"workload: {args.num_prompts} prompts of ~{args.prompt_words} words, {args.max_tokens} new tokens each",
+        f"dtype: {dtype}",
         f"pagedserve LLM.generate: {ours.output_tok_per_s:8.1f} output tok/s",
     ]
     if not args.skip_hf:
-        hf_runs = hf_generate_throughput(resolve_model(args.model), prompts, args.max_tokens, batch_sizes)
+        hf_runs = hf_generate_throughput(resolve_model(args.model), prompts, args.max_tokens, batch_sizes, dtype=dtype)
         best = max(hf_runs, key=lambda run: run["output_tok_per_s"])
         report["hf"] = hf_runs
         report["hf_best"] = best

@@ -3,7 +3,7 @@
 Sends streaming requests over real HTTP to any OpenAI-compatible endpoint (ours or another server) and reports
 request and token throughput with TTFT, TPOT, ITL and end-to-end latency statistics. With `baselines` on, the same
 prompts then go through HF transformers `generate` and our model's linear layers alone (`cluster.bench.baselines`),
-and the report adds our throughput as ratios of theirs.
+in the precision the server serves (`dtype`), and the report adds our throughput as ratios of theirs.
 
 Callers that want the numbers rather than the printed report use `run_benchmark` (async, returns a dict) and the
 pure `cluster.bench.stats.summarize` on `RequestRecord`s.
@@ -56,14 +56,21 @@ def run_baselines(
     """HF generate and the matmul roofline on the HTTP run's prompts and output length, with ratios to `summary`.
 
     The roofline batch is the HTTP run's peak number of concurrent requests (its effective decode batch, at most
-    max_concurrency), and batch 1 besides.
+    max_concurrency), and batch 1 besides. All of them run in `config.dtype`, the precision the server serves
+    ("auto": as the engine resolves it, HF generate on the CPU, the rooflines on this machine's device).
     """
     import torch
 
     from cluster.bench.baselines import hf_generate_throughput, matmul_roofline, workload_ceiling
 
     show_progress = not config.disable_tqdm
-    logger.info("baselines on %d prompts, %d tokens out, model %s", len(prompts), config.output_len, model_dir)
+    logger.info(
+        "baselines on %d prompts, %d tokens out, model %s, dtype %s",
+        len(prompts),
+        config.output_len,
+        model_dir,
+        config.dtype,
+    )
     if config.random_range_ratio or config.temperature:
         logger.warning(
             "the baselines decode greedily, output_len (%d) tokens for every prompt, whatever the HTTP run's "
@@ -72,11 +79,13 @@ def run_baselines(
         )
     batch = max(1, summary["max_concurrent_requests"])
     # The rooflines before HF: after minutes of HF generate in this process the same matmuls time slower.
-    roofline = matmul_roofline(model_dir, batch, config.roofline_iterations, show_progress=show_progress)
+    roofline = matmul_roofline(
+        model_dir, batch, config.roofline_iterations, dtype=config.dtype, show_progress=show_progress
+    )
     roofline_batch1 = (
         roofline
         if batch == 1
-        else matmul_roofline(model_dir, 1, config.roofline_iterations, show_progress=show_progress)
+        else matmul_roofline(model_dir, 1, config.roofline_iterations, dtype=config.dtype, show_progress=show_progress)
     )
     hf_runs = hf_generate_throughput(
         model_dir,
@@ -84,6 +93,7 @@ def run_baselines(
         config.output_len,
         config.hf_batch_sizes,
         chat=config.endpoint == "chat",
+        dtype=config.dtype,
         show_progress=show_progress,
     )
     best = max(hf_runs, key=lambda run: run["output_tok_per_s"])
@@ -92,6 +102,7 @@ def run_baselines(
         best["prompt_token_counts"],
         config.output_len,
         iterations=config.roofline_iterations,
+        dtype=config.dtype,
         show_progress=show_progress,
     )
     ours = summary["output_throughput"]
@@ -106,6 +117,9 @@ def run_baselines(
         "num_prompts": len(prompts),
         "output_len": config.output_len,
         "torch_threads": torch.get_num_threads(),
+        "dtype": config.dtype,
+        "hf_dtype": best["dtype"],
+        "roofline_dtype": roofline["dtype"],
         "ours_output_tok_per_s": ours,
         "http_prompt_tokens": http_prompt_tokens,
         "hf": hf_runs,

@@ -154,6 +154,7 @@ def format_baselines(baselines: dict[str, Any]) -> str:
     lines = ["{:=^50}".format(" Baselines ")]
     lines.append(row("Model directory:", baselines["model_dir"]))
     lines.append(row("Torch threads (HF and roofline):", baselines["torch_threads"]))
+    lines.append(row("Dtype, HF / roofline:", f"{baselines['hf_dtype']} / {baselines['roofline_dtype']}"))
     lines.append(row("Ours: output token throughput (tok/s):", f"{baselines['ours_output_tok_per_s']:.2f}"))
     for run in baselines["hf"]:
         lines.append(row(f"HF generate, batch {run['batch_size']} (tok/s):", f"{run['output_tok_per_s']:.2f}"))

@@ -698,6 +698,8 @@ inline void transpose_key_tile(const c10::BFloat16* keys, const int32_t* row_off
 #endif
 }
 
+}  // namespace
+
 // Prefill chunks (fp32 or bf16, head_dim a multiple of kLanes) over the paged cache, their own new keys included
 // (written first): flash-style, a tile of kLanes keys at a time with an online softmax, so no score matrix, gathered
 // copy of the cache or mask tensor is ever built. bf16 is widened on load and the math is fp32, the output rounded
@@ -868,6 +870,17 @@ void prefill_attention_kernel(
     }
   });
 }
+
+// DecodeStack's instances: decode_stack.cpp sees only the declaration.
+template void prefill_attention_kernel<float>(const float*, const PagedCache<float>&, float*, const int32_t*,
+                                              const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                              float, int64_t, float);
+template void prefill_attention_kernel<c10::BFloat16>(const c10::BFloat16*, const PagedCache<c10::BFloat16>&,
+                                                       c10::BFloat16*, const int32_t*, const int32_t*, int64_t,
+                                                       int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                                                       float);
+
+namespace {
 
 // What both paged attention entry points read: query and output [rows, heads, head_dim] with contiguous heads,
 // matching paged caches of the query's dtype, int32 block tables and sequence lengths.

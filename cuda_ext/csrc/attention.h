@@ -42,6 +42,27 @@ void decode_attention_kernel(
     int64_t sliding_window,
     float soft_cap);
 
+// Prefill chunks (fp32 or bf16, head_dim a multiple of the vector lanes) over the paged cache, their own keys and
+// values already written: request i's query tokens are rows query_starts[i] .. query_starts[i + 1] (query_stride /
+// output_stride apart), its table row i of cache.block_tables, seq_lens[i] its cached keys plus the chunk's own.
+// Row offsets within the cache must fit in int32. Other files get the fp32 and bf16 instances.
+template <typename scalar_t>
+void prefill_attention_kernel(
+    const scalar_t* query,
+    const PagedCache<scalar_t>& cache,
+    scalar_t* output,
+    const int32_t* query_starts,
+    const int32_t* seq_lens,
+    int64_t num_seqs,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim,
+    int64_t query_stride,
+    int64_t output_stride,
+    float scale,
+    int64_t sliding_window,
+    float soft_cap);
+
 // query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
 // block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none; soft_cap > 0
 // caps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2), 0 leaves it.

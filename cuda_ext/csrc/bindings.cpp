@@ -74,6 +74,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("o_bf16_panels") = pybind11::none(), pybind11::arg("gate_up_bf16_panels") = pybind11::none(),
            pybind11::arg("down_bf16_panels") = pybind11::none())
       // The whole stack runs without the GIL: the actor's other threads (Ray's RPC, the next step's plan) go on.
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("residual"),
+           pybind11::arg("has_residual"), pybind11::arg("kv_caches"), pybind11::arg("block_tables"),
+           pybind11::arg("seq_lens"), pybind11::arg("slots"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("rows_share_sequences"), pybind11::kw_only(),
+           pybind11::arg("prefill_block_tables") = pybind11::none(),
+           pybind11::arg("prefill_query_starts") = pybind11::none(),
+           pybind11::arg("prefill_seq_lens") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs);
 }

@@ -15,6 +15,7 @@
 #include "elementwise.h"
 #include "gemm_amx.h"
 #include "gemm_panels.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -122,6 +123,17 @@ inline void widen_from_bf16(float* target, const c10::BFloat16* source, int64_t 
   }
 }
 
+// fn(token) for each of `count` tokens: spread over the threads where a step runs all its rows together and they
+// are many (a prefill chunk's); on the calling thread inside a thread's own rows.
+template <typename Fn>
+void for_each_token(int64_t count, int64_t elements_per_token, const Fn& fn) {
+  parallel_claims(count, elements_per_token, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      fn(token);
+    }
+  });
+}
+
 }  // namespace
 
 // A step's tensors, as pointers: row `token` of each is that token's.
@@ -129,12 +141,19 @@ struct DecodeStack::Step {
   float* hidden;
   float* residual;
   const std::vector<torch::Tensor>* kv_caches;
-  const int32_t* block_tables;
+  const int32_t* block_tables;  // the decode rows'
   int64_t width, block_size;
-  const int32_t* seq_lens;
+  const int32_t* seq_lens;  // the decode rows'
   const int64_t* slots;
   const float* cos;
   const float* sin;
+  int64_t num_decodes;  // rows before the prefill chunks'
+  // The prefill chunks after the decodes (num_chunks 0: none); query starts count from the first chunk row.
+  const int32_t* prefill_block_tables;
+  int64_t prefill_width;
+  const int32_t* prefill_query_starts;
+  const int32_t* prefill_seq_lens;
+  int64_t num_chunks;
 };
 
 struct DecodeStack::Rows {
@@ -292,9 +311,12 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
 }
 
 void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
-                          const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
-                          const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
-                          const torch::Tensor& sin, bool rows_share_sequences) {
+                          const std::vector<torch::Tensor>& kv_caches, const std::optional<torch::Tensor>& block_tables,
+                          const std::optional<torch::Tensor>& seq_lens, const torch::Tensor& slots,
+                          const torch::Tensor& cos, const torch::Tensor& sin, bool rows_share_sequences,
+                          const std::optional<torch::Tensor>& prefill_block_tables,
+                          const std::optional<torch::Tensor>& prefill_query_starts,
+                          const std::optional<torch::Tensor>& prefill_seq_lens) {
   TORCH_CHECK(!layers_.empty(), "the stack has no layers");
   const int64_t num_tokens = hidden.size(0);
   const torch::ScalarType dtype = bf16_weights_ ? torch::kBFloat16 : torch::kFloat32;
@@ -311,16 +333,9 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
   check_rows_of(cos, num_tokens, half, "cos");
   check_rows_of(sin, num_tokens, half, "sin");
   TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && block_tables.size(0) == num_tokens,
-              "block_tables must be contiguous int32 [tokens, width]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() && seq_lens.numel() == num_tokens,
-              "seq_lens must be int32 [tokens]");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == num_tokens,
               "slots must be int64 [tokens]");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* slot_of = slots.data_ptr<int64_t>();
-  const int64_t width = block_tables.size(1);
   const int64_t block_size = kv_caches[0].dim() == 5 ? kv_caches[0].size(2) : 0;
   int64_t num_slots = std::numeric_limits<int64_t>::max();  // of the smallest cache
   for (const torch::Tensor& cache : kv_caches) {
@@ -330,9 +345,54 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
     num_slots = std::min(num_slots, cache.size(1) * block_size);
   }
   for (int64_t token = 0; token < num_tokens; ++token) {
-    TORCH_CHECK(lens[token] >= 1 && (lens[token] + block_size - 1) / std::max<int64_t>(1, block_size) <= width,
-                "seq_len ", lens[token], " needs more blocks than its table holds");
     TORCH_CHECK(slot_of[token] < num_slots, "slot ", slot_of[token], " is outside the cache");
+  }
+  // Each table must hold its seq_len keys; returns the table's width.
+  const auto check_tables = [&](const torch::Tensor& tables, const torch::Tensor& lens, int64_t num_rows,
+                                const char* name) {
+    TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.is_contiguous() && tables.dim() == 2 &&
+                    tables.size(0) == num_rows,
+                name, " block tables must be contiguous int32 [", num_rows, ", width]");
+    TORCH_CHECK(lens.scalar_type() == torch::kInt32 && lens.is_contiguous() && lens.numel() == num_rows, name,
+                " seq_lens must be int32 [", num_rows, "]");
+    const int32_t* len = lens.data_ptr<int32_t>();
+    for (int64_t row = 0; row < num_rows; ++row) {
+      TORCH_CHECK(len[row] >= 1 && (len[row] + block_size - 1) / std::max<int64_t>(1, block_size) <= tables.size(1),
+                  "seq_len ", len[row], " needs more blocks than its table holds");
+    }
+    return tables.size(1);
+  };
+  const bool has_decodes = block_tables.has_value() && block_tables->defined();
+  TORCH_CHECK(has_decodes == (seq_lens.has_value() && seq_lens->defined()),
+              "block_tables and seq_lens go together");
+  const int64_t num_decodes = has_decodes ? seq_lens->numel() : 0;
+  const int64_t width = has_decodes ? check_tables(*block_tables, *seq_lens, num_decodes, "decode") : 0;
+  const bool has_chunks = prefill_query_starts.has_value() && prefill_query_starts->defined();
+  TORCH_CHECK(has_chunks == (prefill_block_tables.has_value() && prefill_block_tables->defined()) &&
+                  has_chunks == (prefill_seq_lens.has_value() && prefill_seq_lens->defined()),
+              "prefill_block_tables, prefill_query_starts and prefill_seq_lens go together");
+  int64_t num_chunks = 0, prefill_width = 0;
+  if (has_chunks) {
+    const torch::Tensor& starts = *prefill_query_starts;
+    num_chunks = prefill_seq_lens->numel();
+    prefill_width = check_tables(*prefill_block_tables, *prefill_seq_lens, num_chunks, "prefill");
+    TORCH_CHECK(starts.scalar_type() == torch::kInt32 && starts.is_contiguous() && starts.numel() == num_chunks + 1,
+                "prefill_query_starts must be int32 [chunks + 1]");
+    const int32_t* start = starts.data_ptr<int32_t>();
+    const int32_t* len = prefill_seq_lens->data_ptr<int32_t>();
+    TORCH_CHECK(start[0] == 0 && start[num_chunks] == num_tokens - num_decodes,
+                "prefill_query_starts must cover the rows after the decodes");
+    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+      TORCH_CHECK(start[chunk + 1] - start[chunk] >= 1 && start[chunk + 1] - start[chunk] <= len[chunk],
+                  "each chunk needs 1 .. seq_len query tokens");
+    }
+    // The prefill kernel's cache row offsets are 32-bit (one gather transposes a tile of keys).
+    for (const torch::Tensor& cache : kv_caches) {
+      TORCH_CHECK(cache.stride(0) <= std::numeric_limits<int32_t>::max(), "a prefill chunk's cache above 2^31 elements");
+    }
+    TORCH_CHECK(head_dim_ % kLanes == 0, "prefill chunks need head_dim a multiple of ", kLanes);
+  } else {
+    TORCH_CHECK(num_decodes == num_tokens, "without prefill chunks every row is a decode");
   }
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
@@ -361,9 +421,24 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
     // x + 0 is x exactly: the first layer's plain RMSNorm through the same add-and-norm row.
     std::fill(residual_rows, residual_rows + num_tokens * hidden_, 0.f);
   }
-  const Step step{hidden_rows, residual_rows, &kv_caches, block_tables.data_ptr<int32_t>(),
-                  width, block_size, lens, slot_of, cos.data_ptr<float>(), sin.data_ptr<float>()};
-  run_step(step, num_tokens, rows_share_sequences);
+  const Step step{hidden_rows,
+                  residual_rows,
+                  &kv_caches,
+                  has_decodes ? block_tables->data_ptr<int32_t>() : nullptr,
+                  width,
+                  block_size,
+                  has_decodes ? seq_lens->data_ptr<int32_t>() : nullptr,
+                  slot_of,
+                  cos.data_ptr<float>(),
+                  sin.data_ptr<float>(),
+                  num_decodes,
+                  has_chunks ? prefill_block_tables->data_ptr<int32_t>() : nullptr,
+                  prefill_width,
+                  has_chunks ? prefill_query_starts->data_ptr<int32_t>() : nullptr,
+                  has_chunks ? prefill_seq_lens->data_ptr<int32_t>() : nullptr,
+                  num_chunks};
+  // A chunk's rows read each other's keys, as drafts of one sequence do.
+  run_step(step, num_tokens, rows_share_sequences || has_chunks);
   if (bf16_weights_) {
     // One rounding of each into the caller's bf16 tensors, after the last layer.
     round_to_bf16(hidden.data_ptr<c10::BFloat16>(), hidden_rows, num_tokens * hidden_);
@@ -417,53 +492,36 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
       c10::BFloat16* const attended_bf16 = bf16_weights_ ? attended_bf16_.data() + begin * q_size : nullptr;
       switch (rows.stage) {
         case kNormAndQkv:
-          for (int64_t token = 0; token < count; ++token) {
+          for_each_token(count, hidden_, [&](int64_t token) {
             add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
                                     layer.input_norm.data_ptr<float>(), hidden_, eps_);
-          }
+          });
           project(layer.qkv, x, hidden_, count, qkv);
           break;
-        case kRotaryAndAttention: {
+        case kRotaryAndAttention:
           if (bf16_weights_) {
-            attend_bf16(layer, step, cache, begin, count, qkv, query_bf16, attended_bf16);
-            break;
+            attend<c10::BFloat16>(layer, step, cache, begin, count, qkv, query_bf16, attended_bf16);
+          } else {
+            attend<float>(layer, step, cache, begin, count, qkv, nullptr, attended);
           }
-          float* key_cache = cache.data_ptr<float>();
-          float* value_cache = key_cache + cache.stride(0);
-          for (int64_t token = 0; token < count; ++token) {
-            float* token_qkv = qkv + token * qkv_rows;
-            norm_and_rotate(layer, step, begin + token, token_qkv);
-            const int64_t slot = step.slots[begin + token];
-            if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
-              std::memcpy(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size * sizeof(float));
-              std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size,
-                          kv_size * sizeof(float));
-            }
-          }
-          const PagedCache<float> paged{key_cache, value_cache, step.block_tables + begin * step.width,
-                                        step.width, step.block_size, cache.stride(1), cache.stride(2)};
-          decode_attention_kernel<float>(qkv, paged, attended, step.seq_lens + begin, count, num_heads_,
-                                         num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, layer.sliding_window,
-                                         /*soft_cap=*/0.f);
           break;
-        }
         case kOutputAndNorm:
           if (bf16_weights_) {
             project(layer.o, reinterpret_cast<const uint16_t*>(attended_bf16), q_size, count, x);
           } else {
             project(layer.o, attended, q_size, count, x);
           }
-          for (int64_t token = 0; token < count; ++token) {
+          for_each_token(count, hidden_, [&](int64_t token) {
             add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
                                     layer.post_norm.data_ptr<float>(), hidden_, eps_);
-          }
+          });
           break;
         case kGateUp:
           project(layer.gate_up, x, hidden_, count, gate_up);
-          for (int64_t token = 0; token < count; ++token) {
+          for_each_token(count, 2 * inter_, [&](int64_t token) {
             const float* gate = gate_up + token * 2 * inter_;
             silu_and_mul_row<float>(activated + token * inter_, gate, gate + inter_, inter_);
-          }
+          });
           break;
         case kDown:
           project(layer.down, activated, inter_, count, x);
@@ -488,30 +546,60 @@ void DecodeStack::norm_and_rotate(const Layer& layer, const Step& step, int64_t 
   rotate_heads<float>(token_qkv + q_size, num_kv_heads_, head_dim_, half, cos_row, sin_row);
 }
 
-void DecodeStack::attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
-                              int64_t count, float* qkv, c10::BFloat16* query, c10::BFloat16* attended) const {
-  const int64_t half = head_dim_ / 2;
+template <typename scalar_t>
+void DecodeStack::attend(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
+                         int64_t count, float* qkv, scalar_t* query, scalar_t* attended) const {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * kv_size;
-  c10::BFloat16* key_cache = cache.data_ptr<c10::BFloat16>();
-  c10::BFloat16* value_cache = key_cache + cache.stride(0);
-  for (int64_t token = 0; token < count; ++token) {
+  scalar_t* key_cache = cache.data_ptr<scalar_t>();
+  scalar_t* value_cache = key_cache + cache.stride(0);
+  for_each_token(count, qkv_rows, [&](int64_t token) {
     float* token_qkv = qkv + token * qkv_rows;
     norm_and_rotate(layer, step, begin + token, token_qkv);
-    // Rounded to bf16 once here, as the layer-by-layer path's bf16 query, keys and values are.
-    round_to_bf16(query + token * q_size, token_qkv, q_size);
     const int64_t slot = step.slots[begin + token];
-    if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
-      round_to_bf16(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size);
-      round_to_bf16(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size);
+    if constexpr (kBf16) {
+      // Rounded to bf16 once here, as the layer-by-layer path's bf16 query, keys and values are.
+      round_to_bf16(query + token * q_size, token_qkv, q_size);
+      if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
+        round_to_bf16(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size);
+        round_to_bf16(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size);
+      }
+    } else if (slot >= 0) {
+      std::memcpy(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size * sizeof(float));
+      std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size * sizeof(float));
     }
+  });
+  // fp32 attends straight from the projections' rows; bf16 from its rounded queries.
+  const scalar_t* queries = nullptr;
+  int64_t query_stride = 0;
+  if constexpr (kBf16) {
+    queries = query;
+    query_stride = q_size;
+  } else {
+    queries = qkv;
+    query_stride = qkv_rows;
   }
-  const PagedCache<c10::BFloat16> paged{key_cache, value_cache, step.block_tables + begin * step.width,
-                                        step.width, step.block_size, cache.stride(1), cache.stride(2)};
-  decode_attention_kernel<c10::BFloat16>(query, paged, attended, step.seq_lens + begin, count, num_heads_,
-                                         num_kv_heads_, head_dim_, q_size, q_size, scale_, layer.sliding_window,
-                                         /*soft_cap=*/0.f);
+  const int64_t num_decode_rows = std::clamp<int64_t>(step.num_decodes - begin, 0, count);
+  if (num_decode_rows > 0) {
+    const PagedCache<scalar_t> paged{key_cache, value_cache, step.block_tables + begin * step.width,
+                                     step.width, step.block_size, cache.stride(1), cache.stride(2)};
+    decode_attention_kernel<scalar_t>(queries, paged, attended, step.seq_lens + begin, num_decode_rows, num_heads_,
+                                      num_kv_heads_, head_dim_, query_stride, q_size, scale_, layer.sliding_window,
+                                      /*soft_cap=*/0.f);
+  }
+  if (step.num_chunks > 0) {
+    // Steps with chunks run every row together (run_step), so the chunks' rows are all here.
+    TORCH_CHECK(begin == 0 && count == step.num_decodes + step.prefill_query_starts[step.num_chunks],
+                "a step with prefill chunks runs all its rows at once");
+    const PagedCache<scalar_t> paged{key_cache, value_cache, step.prefill_block_tables, step.prefill_width,
+                                     step.block_size, cache.stride(1), cache.stride(2)};
+    prefill_attention_kernel<scalar_t>(queries + step.num_decodes * query_stride, paged,
+                                       attended + step.num_decodes * q_size, step.prefill_query_starts,
+                                       step.prefill_seq_lens, step.num_chunks, num_heads_, num_kv_heads_, head_dim_,
+                                       query_stride, q_size, scale_, layer.sliding_window, /*soft_cap=*/0.f);
+  }
 }
 
 template <typename In>

@@ -15,7 +15,8 @@ namespace pagedserve {
 // norm and the SwiGLU MLP, without the Python and dispatch overhead of a step's ~30 small ops per layer. Projections
 // run panel_linear_kernel on the layer's panel-packed weights, or linear_tokens_kernel on the plain weights where a
 // layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
-// forward); with fewer, every kernel spreads over the threads.
+// forward); with fewer, every kernel spreads over the threads. Prefill chunks after the decodes (a mixed step) run
+// the prefill attention kernel over their rows once every row's keys are written, each kernel over all rows.
 //
 // bf16 models (where the build has AVX512-BF16): bf16 weights run on their AMX tiles (pack_amx_weight) or else on
 // their bf16 panels (pack_bf16_panels), the KV cache is bf16, and between the kernels a token's hidden state, residual stream and MLP sums stay fp32 (each projection
@@ -48,12 +49,19 @@ class DecodeStack {
 
   // hidden and residual [tokens, hidden_size], fp32 or (both) bf16, in place: in, the stack's input (residual
   // unread without has_residual); out, the last layer's MLP output and the residual stream. kv_caches: one [2, blocks,
-  // block_size, kv_heads, head_dim] per layer; per token, its block table row [tokens, width] int32, seq_len with
-  // the new token [tokens] int32, KV slot [tokens] int64 (-1: padding) and cos/sin rows [tokens, head_dim / 2] fp32.
+  // block_size, kv_heads, head_dim] per layer; per token, its KV slot [tokens] int64 (-1: padding) and cos/sin rows
+  // [tokens, head_dim / 2] fp32. The first rows are decodes, each with its block table row [decodes, width] int32
+  // and seq_len with the new token [decodes] int32 (None: no decodes). The rows after them, if any, are prefill
+  // chunks: chunk i's tokens are rows decodes + prefill_query_starts[i] .. decodes + prefill_query_starts[i + 1]
+  // ([chunks + 1] int32), its table prefill_block_tables[i] ([chunks, width] int32) and prefill_seq_lens[i] its
+  // cached keys plus its own ([chunks] int32). A step with chunks runs each kernel over all rows at once.
   void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
-               const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& block_tables,
-               const torch::Tensor& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
-               const torch::Tensor& sin, bool rows_share_sequences);
+               const std::vector<torch::Tensor>& kv_caches, const std::optional<torch::Tensor>& block_tables,
+               const std::optional<torch::Tensor>& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
+               const torch::Tensor& sin, bool rows_share_sequences,
+               const std::optional<torch::Tensor>& prefill_block_tables,
+               const std::optional<torch::Tensor>& prefill_query_starts,
+               const std::optional<torch::Tensor>& prefill_seq_lens);
 
   // Token ranges one thread handed to another in the last forward (0 unless the grouped path ran).
   int64_t last_step_handoffs() const {
@@ -100,10 +108,12 @@ class DecodeStack {
   // Row `row` of the step's q and k heads in `token_qkv` (fp32), in place: the per-head norms, then rotary.
   void norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const;
 
-  // A bf16 model's rotary, KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their
-  // fp32 projections, query and attended their bf16 rows.
-  void attend_bf16(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin, int64_t count,
-                   float* qkv, c10::BFloat16* query, c10::BFloat16* attended) const;
+  // Rotary, the KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their fp32
+  // projections, attended their outputs. scalar_t is the cache's: bf16 rounds each query into `query` first (fp32
+  // attends straight from qkv, `query` unused).
+  template <typename scalar_t>
+  void attend(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin, int64_t count,
+              float* qkv, scalar_t* query, scalar_t* attended) const;
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_, scale_;

@@ -1,5 +1,6 @@
 // bf16 linears on AMX tiles: x is copied once into zero-padded bf16 rows, each thread takes pairs of 16-output
-// weight blocks, and per pair runs every 32-token block of x through TDPBF16PS into four 16 x 16 fp32 tiles.
+// weight blocks (per panel of x's tokens), and per pair runs each 32-token block of the panel through TDPBF16PS
+// into four 16 x 16 fp32 tiles.
 #include "gemm_amx.h"
 
 #if defined(PAGEDSERVE_HAS_AMX)
@@ -31,6 +32,9 @@ constexpr int64_t kBlockSpan = 2 * kAmxRows;
 // Weight tiles are asked for this many depth steps ahead: a tile load waits for memory otherwise.
 constexpr int64_t kPrefetchDepth = 4;
 constexpr int64_t kCacheLine = 64;
+// x is run in panels of about this many bytes (whole pairs of token blocks): a panel stays in the core's L2 while
+// every weight pair passes over it, where a whole prefill chunk's x would stream from L3 once per pair.
+constexpr int64_t kPanelBytes = 1 << 20;
 
 inline void prefetch_tile(const uint16_t* tile) {
   const char* bytes = reinterpret_cast<const char*>(tile);
@@ -171,16 +175,23 @@ void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
   const int64_t output_blocks = amx_blocks(rows, kAmxRows);
   const int64_t block_elements = depth_blocks * kTileElements;
   const int64_t output_pairs = (output_blocks + 1) / 2;
-  parallel_claims(output_pairs, 2 * block_elements * token_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (x_row_bytes * kBlockSpan) * 2);
+  const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
+  // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
+  const int64_t work_per_item = 2 * block_elements * std::min(panel_blocks, token_blocks);
+  parallel_claims(num_panels * output_pairs, work_per_item, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     alignas(64) float sums[kBlockSpan * kBlockSpan];
-    for (int64_t pair = begin; pair < end; ++pair) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t pair = item % output_pairs;
+      const int64_t first_token_block = item / output_pairs * panel_blocks;
+      const int64_t end_token_block = std::min(token_blocks, first_token_block + panel_blocks);
       const int64_t first_block = 2 * pair;
       const int64_t num_output_blocks = std::min<int64_t>(2, output_blocks - first_block);
       const uint16_t* weight_0 = packed + first_block * block_elements;
       const int64_t first_output = first_block * kAmxRows;
       const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
-      for (int64_t token_block = 0; token_block < token_blocks; token_block += 2) {
+      for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
         const int64_t num_token_blocks = std::min<int64_t>(2, token_blocks - token_block);
         kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_rows + token_block * kAmxRows * padded_columns,
                                                                  x_row_bytes, weight_0, weight_0 + block_elements,
