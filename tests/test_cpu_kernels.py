@@ -660,6 +660,7 @@ def assert_rounded_once_from(actual: torch.Tensor, exact: torch.Tensor, accumula
     ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"),
     [
         (9, 3, 64, 16, None),  # SmolLM2: a KV head's three query heads in one pass
+        (8, 2, 64, 16, None),  # four query heads in one pass, one set of accumulators (two would not fit)
         (8, 2, 128, 32, None),  # one query head at a time
         (4, 4, 64, 16, 20),  # a window starting inside a block
         (6, 2, 48, 16, None),  # 3 vectors of 16 lanes (or 6 of 8): the general loop's vector rows

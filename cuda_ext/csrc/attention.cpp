@@ -185,6 +185,20 @@ inline void sum_each_lanes(const Lanes* partials, float* sums) {
 #endif
 }
 
+// The largest of a tile's `count` scores: a full tile pairwise (three dependent maxes, not eight).
+inline float max_of_tile(const float* tile, int64_t count) {
+  if (count == kKeyTile) {
+    const float low = std::max(std::max(tile[0], tile[1]), std::max(tile[2], tile[3]));
+    const float high = std::max(std::max(tile[4], tile[5]), std::max(tile[6], tile[7]));
+    return std::max(low, high);
+  }
+  float largest = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < count; ++i) {
+    largest = std::max(largest, tile[i]);
+  }
+  return largest;
+}
+
 // Steps through one request's cached rows of one KV head in token order, with no division per row.
 template <typename scalar_t>
 struct CacheRowCursor {
@@ -383,31 +397,45 @@ void attend_group_lanes(const scalar_t* query, float scale, float soft_cap, Cach
   }
   float max_score[kGroup];
   std::fill(max_score, max_score + kGroup, -std::numeric_limits<float>::infinity());
+  alignas(64) float widened[std::is_same_v<scalar_t, float> ? 1 : kKeyTile * kHeadDim];
   for (int64_t key = 0; key < num_keys; key += kKeyTile) {
     const int64_t count = std::min(kKeyTile, num_keys - key);
     for (int64_t i = 0; i < count; ++i, values_ahead.next()) {
       keys_ahead.ask_for_next();
       prefetch_row(values_ahead.row(), kRowBytes);
     }
-    // The tile's rows come from memory for the first head and from L1 for the others.
-    const scalar_t* rows[kKeyTile];
+    // The tile's rows come from memory once: fp32 rows are read in place by every head, bf16 rows widened once
+    // into `widened` (L1) for all of them.
+    const float* rows[kKeyTile];
     for (int64_t i = 0; i < count; ++i, keys.next()) {
-      rows[i] = keys.row();
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        rows[i] = keys.row();
+      } else {
+        const scalar_t* row = keys.row();
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kChunks; ++c) {
+          store_lanes(widened + i * kHeadDim + c * kLanes, load_row_lanes(row + c * kLanes));
+        }
+        rows[i] = widened + i * kHeadDim;
+      }
     }
     for (int64_t h = 0; h < kGroup; ++h) {
-      Lanes partials[kKeyTile] = {};
+      Lanes partials[kKeyTile];
       for (int64_t i = 0; i < count; ++i) {
-        Lanes dot = scaled_query[h][0] * load_row_lanes(rows[i]);
+        Lanes dot = scaled_query[h][0] * load_lanes(rows[i]);
+#pragma GCC unroll 16
         for (int64_t c = 1; c < kChunks; ++c) {
-          dot += scaled_query[h][c] * load_row_lanes(rows[i] + c * kLanes);
+          dot += scaled_query[h][c] * load_lanes(rows[i] + c * kLanes);
         }
         partials[i] = dot;
       }
+      // Only a last, partial tile has lanes past its keys (their sums land past num_keys, never read).
+      for (int64_t i = count; i < kKeyTile; ++i) {
+        partials[i] = Lanes{};
+      }
       float* head_scores = scores + h * score_stride;
       sum_each_lanes(partials, head_scores + key);
-      for (int64_t i = 0; i < count; ++i) {
-        max_score[h] = std::max(max_score[h], head_scores[key + i]);
-      }
+      max_score[h] = std::max(max_score[h], max_of_tile(head_scores + key, count));
     }
   }
   float inverse_sum[kGroup];
@@ -417,17 +445,28 @@ void attend_group_lanes(const scalar_t* query, float scale, float soft_cap, Cach
     }
     inverse_sum[h] = 1.f / exp_and_sum(scores + h * score_stride, num_keys, max_score[h]);
   }
-  constexpr int64_t kStreams = kChunks <= 4 ? 2 : 1;
+  // Two sets of accumulators only where both fit the registers with a chunk and the group's weights: spilled, each
+  // FMA would wait on a store and a load (the group's heads already give kGroup * kChunks independent chains).
+  constexpr int64_t kRegisters = kLanes == 16 ? 32 : 16;  // AVX-512 has 32 vector registers, AVX2 16
+  constexpr int64_t kStreams = 2 * kGroup * kChunks + kGroup + 1 <= kRegisters - kGroup ? 2 : 1;
   Lanes accumulators[kGroup][kStreams][kChunks] = {};
   int64_t key = 0;
   for (; key + kStreams <= num_keys; key += kStreams) {
+#pragma GCC unroll 4
     for (int64_t stream = 0; stream < kStreams; ++stream, values.next()) {
       next_item.ask_for_next();
       const scalar_t* row = values.row();
+      Lanes weights[kGroup];
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < kGroup; ++h) {
+        weights[h] = broadcast(scores[h * score_stride + key + stream]);
+      }
+#pragma GCC unroll 16
       for (int64_t c = 0; c < kChunks; ++c) {
         const Lanes chunk = load_row_lanes(row + c * kLanes);
+#pragma GCC unroll 8
         for (int64_t h = 0; h < kGroup; ++h) {
-          accumulators[h][stream][c] += broadcast(scores[h * score_stride + key + stream]) * chunk;
+          accumulators[h][stream][c] += weights[h] * chunk;
         }
       }
     }
@@ -435,8 +474,10 @@ void attend_group_lanes(const scalar_t* query, float scale, float soft_cap, Cach
   for (; key < num_keys; ++key, values.next()) {
     next_item.ask_for_next();
     const scalar_t* row = values.row();
+#pragma GCC unroll 16
     for (int64_t c = 0; c < kChunks; ++c) {
       const Lanes chunk = load_row_lanes(row + c * kLanes);
+#pragma GCC unroll 8
       for (int64_t h = 0; h < kGroup; ++h) {
         accumulators[h][0][c] += broadcast(scores[h * score_stride + key]) * chunk;
       }
