@@ -80,11 +80,15 @@ void run_tile_block(const uint16_t* x_rows, int64_t x_row_bytes, const uint16_t*
     // Past the block's end this runs into the next block: the one read next.
     prefetch_tile(weight_0 + (depth + kPrefetchDepth) * kTileElements);
     if constexpr (kOutputBlocks == 2) prefetch_tile(weight_1 + (depth + kPrefetchDepth) * kTileElements);
-    _tile_loadd(6, weight_0 + depth * kTileElements, 64);
-    if constexpr (kOutputBlocks == 2) _tile_loadd(7, weight_1 + depth * kTileElements, 64);
+    // Loads in the order the previous step's products free their tiles (x 0 after product 1, weight 0 after 2),
+    // each just before its own first product: the first loads overlap the previous step's last products.
     _tile_loadd(4, x_rows + depth * kAmxColumns, x_row_bytes);
+    _tile_loadd(6, weight_0 + depth * kTileElements, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (kOutputBlocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kOutputBlocks == 2) {
+      _tile_loadd(7, weight_1 + depth * kTileElements, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
     if constexpr (kTokenBlocks == 2) {
       _tile_loadd(5, x_second + depth * kAmxColumns, x_row_bytes);
       _tile_dpbf16ps(2, 5, 6);
