@@ -348,6 +348,50 @@ def test_a_slot_outside_the_cache_is_refused_not_written() -> None:
         run(model, new_caches(model), batch, None)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prefill_query_starts": torch.tensor([0, 3], dtype=torch.int32)}, "must cover the rows after the decodes"),
+        ({"prefill_seq_lens": torch.tensor([2], dtype=torch.int32)}, "1 .. seq_len query tokens"),
+        ({"prefill_seq_lens": None}, "go together"),
+        ({"prefill_block_tables": torch.zeros(1, 1, dtype=torch.int32)}, "needs more blocks than its table holds"),
+    ],
+)
+def test_the_stack_refuses_prefill_chunks_that_do_not_describe_the_step(change: dict[str, Any], message: str) -> None:
+    """Two decodes and a 5-token chunk, with one of the chunk's descriptions made inconsistent: refused before any
+    row runs, with the reason."""
+    model = random_llama()
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    batch = attention_batch([1, 1, 5], [3, 6, 2], tables)
+    metadata = model.attention_backend.build_metadata(batch, BLOCK_SIZE, CPU)
+    prefill = metadata.prefill
+    chunks = {
+        "prefill_block_tables": prefill.block_tables,
+        "prefill_query_starts": prefill.query_starts,
+        "prefill_seq_lens": prefill.seq_lens,
+        **change,
+    }
+    positions = torch.tensor([3, 6, 2, 3, 4, 5, 6])
+    cos, sin = model.rotary.cos_sin(positions)
+    hidden = torch.randn(7, model.config.hidden_size)
+    caches = new_caches(model)
+    with pytest.raises(RuntimeError, match=message):
+        model.decode_stack.forward(
+            hidden,
+            torch.zeros_like(hidden),
+            False,
+            caches,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            metadata.slot_mapping,
+            cos.view(7, -1),
+            sin.view(7, -1),
+            False,
+            **chunks,
+        )
+    assert all(cache.abs().sum() == 0 for cache in caches)  # nothing written
+
+
 @pytest.mark.parametrize("num_streams", [1, 3])
 def test_the_engine_decodes_a_few_streams_through_the_stack_with_the_same_tokens(
     make_llm, tiny_model_dir, num_streams: int

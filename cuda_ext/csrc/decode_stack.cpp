@@ -388,7 +388,8 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
     }
     // The prefill kernel's cache row offsets are 32-bit (one gather transposes a tile of keys).
     for (const torch::Tensor& cache : kv_caches) {
-      TORCH_CHECK(cache.stride(0) <= std::numeric_limits<int32_t>::max(), "a prefill chunk's cache above 2^31 elements");
+      TORCH_CHECK(cache.stride(0) <= std::numeric_limits<int32_t>::max(),
+                  "a prefill chunk's cache above 2^31 elements");
     }
     TORCH_CHECK(head_dim_ % kLanes == 0, "prefill chunks need head_dim a multiple of ", kLanes);
   } else {

@@ -19,9 +19,10 @@ namespace pagedserve {
 // the prefill attention kernel over their rows once every row's keys are written, each kernel over all rows.
 //
 // bf16 models (where the build has AVX512-BF16): bf16 weights run on their AMX tiles (pack_amx_weight) or else on
-// their bf16 panels (pack_bf16_panels), the KV cache is bf16, and between the kernels a token's hidden state, residual stream and MLP sums stay fp32 (each projection
-// rounds its input to bf16 once, as the layer-by-layer path's bf16 activations are); the query and the attention
-// output are bf16, as the bf16 attention kernel takes them.
+// their bf16 panels (pack_bf16_panels), the KV cache is bf16, and between the kernels a token's hidden state,
+// residual stream and MLP sums stay fp32 (each projection rounds its input to bf16 once, as the layer-by-layer
+// path's bf16 activations are); the query and the attention output are bf16, as the bf16 attention kernel takes
+// them.
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
