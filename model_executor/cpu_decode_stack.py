@@ -49,7 +49,7 @@ def stack_takes_keyword(ops: Any, keyword: str) -> bool:
 STACK_MAX_PREFILL_STEP_TOKENS = 512
 
 
-def stack_runs_prefill(ops: Any, attention: CpuAttentionBackend) -> bool:
+def stack_takes_prefill_chunks(ops: Any, attention: CpuAttentionBackend) -> bool:
     """Whether the built stack takes prefill chunks (a later build) with this head size (the prefill kernel's
     vector path holds whole head rows)."""
     return "prefill_query_starts" in (getattr(ops.DecodeStack.forward, "__doc__", None) or "") and (
@@ -193,7 +193,7 @@ class DecodeStackMixin:
             self.decode_stack = None
             return False
         self.decode_stack = build_decode_stack(self)
-        self.stack_runs_prefill = stack_runs_prefill(load_cpu_ops(), self.attention_backend)
+        self.stack_runs_prefill = stack_takes_prefill_chunks(load_cpu_ops(), self.attention_backend)
         return True
 
     def stack_runs_step(self, attn_metadata: Any, kv_caches: list[torch.Tensor]) -> bool:

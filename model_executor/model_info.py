@@ -95,6 +95,13 @@ def resolve_auto_dtype(checkpoint_dtype: str | None, device: str, cpu_has_bf16_d
     return AutoDtype("float32", f"{found}; float32 stays exact against HF fp32 (dtype bfloat16 runs it in bf16)")
 
 
+def auto_dtype_for(hf_config: Any, device: str) -> AutoDtype:
+    """`dtype: auto` for this checkpoint on `device` ("cuda" or "cpu"), the CPU probed in this process."""
+    return resolve_auto_dtype(
+        checkpoint_dtype_name(hf_config), device, device != "cuda" and cpu_has_bf16_dot_products()
+    )
+
+
 def read_eos_token_ids(model_dir: Path, hf_config: Any) -> frozenset[int]:
     """EOS ids from generation_config.json (which may list several) and config.json."""
     eos: set[int] = set()
@@ -201,9 +208,7 @@ def load_model_info(
     dtype_name = config.model.dtype
     if dtype_name == "auto":
         # Probed in this process: on a cluster the scheduler actor's CPU stands for its workers' CPUs.
-        choice = resolve_auto_dtype(
-            checkpoint_dtype_name(hf_config), device, device != "cuda" and cpu_has_bf16_dot_products()
-        )
+        choice = auto_dtype_for(hf_config, device)
         dtype_name = choice.dtype_name
         if log_dtype_choice:
             logger.info("dtype auto: %s on %s (%s)", dtype_name, device, choice.reason)

@@ -139,12 +139,10 @@ def hf_generate_throughput(
 def cpu_dtype_name(model_dir: str | Path, dtype: str) -> str:
     """`dtype` (an engine dtype name) for a run on CPU: "auto" as the engine resolves it there (the checkpoint's
     precision and this CPU's bf16 support, `resolve_auto_dtype`), any other name as given."""
-    from model_executor.cpu_features import cpu_has_bf16_dot_products
-    from model_executor.model_info import DTYPES, checkpoint_dtype_name, read_hf_config, resolve_auto_dtype
+    from model_executor.model_info import DTYPES, auto_dtype_for, read_hf_config
 
     if dtype == "auto":
-        checkpoint_dtype = checkpoint_dtype_name(read_hf_config(Path(model_dir)))
-        return resolve_auto_dtype(checkpoint_dtype, "cpu", cpu_has_bf16_dot_products()).dtype_name
+        return auto_dtype_for(read_hf_config(Path(model_dir)), "cpu").dtype_name
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
     return dtype

@@ -912,6 +912,29 @@ void prefill_attention_kernel(
   });
 }
 
+void check_prefill_chunks(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                          const torch::Tensor& seq_lens, int64_t num_rows, const char* rows_name, int64_t block_size,
+                          int64_t cache_elements, int64_t head_dim) {
+  TORCH_CHECK(head_dim % kLanes == 0, "head_dim must be a multiple of ", kLanes);
+  // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
+  TORCH_CHECK(cache_elements <= std::numeric_limits<int32_t>::max(), "cache above 2^31 elements");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous int32 [chunks, width]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32");
+  TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
+  const int64_t num_chunks = seq_lens.numel();
+  TORCH_CHECK(block_tables.size(0) == num_chunks && query_starts.numel() == num_chunks + 1, "one table per request");
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_chunks] == num_rows, "query_starts must cover ", rows_name);
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int64_t query_len = starts[chunk + 1] - starts[chunk];
+    TORCH_CHECK(query_len >= 1 && query_len <= lens[chunk], "each request needs 1 .. seq_len query tokens");
+    TORCH_CHECK(lens[chunk] <= block_tables.size(1) * block_size, "a block table is too short: seq_len ", lens[chunk],
+                " needs more blocks than its table holds");
+  }
+}
+
 // DecodeStack's instances: decode_stack.cpp sees only the declaration.
 template void prefill_attention_kernel<float>(const float*, const PagedCache<float>&, float*, const int32_t*,
                                               const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -1001,21 +1024,11 @@ void paged_prefill_attention(
   TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be 0 (off) or positive");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 || query.scalar_type() == torch::kBFloat16, "fp32 or bf16 only");
   TORCH_CHECK(output.scalar_type() == query.scalar_type(), "output and query dtypes differ");
-  TORCH_CHECK(query.size(2) % kLanes == 0, "head_dim must be a multiple of ", kLanes);
-  // Row offsets within a cache are 32-bit (one gather transposes a tile of keys).
-  TORCH_CHECK(key_cache.size(0) * key_cache.stride(0) <= std::numeric_limits<int32_t>::max(),
-              "cache above 2^31 elements");
-  TORCH_CHECK(query_starts.scalar_type() == torch::kInt32 && query_starts.is_contiguous(), "query_starts int32");
+  check_prefill_chunks(block_tables, query_starts, seq_lens, query.size(0), "the query rows", key_cache.size(1),
+                       key_cache.size(0) * key_cache.stride(0), query.size(2));
   const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && query_starts.size(0) == num_seqs + 1, "one table per request");
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0), "query_starts must cover the query rows");
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t query_len = starts[seq + 1] - starts[seq];
-    TORCH_CHECK(query_len >= 1 && query_len <= lens[seq], "each request needs 1 .. seq_len query tokens");
-    TORCH_CHECK(lens[seq] <= block_tables.size(1) * key_cache.size(1), "a block table is too short");
-  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (kRowLanes<scalar_t>) {
       prefill_attention_kernel<scalar_t>(

@@ -63,6 +63,14 @@ void prefill_attention_kernel(
     int64_t sliding_window,
     float soft_cap);
 
+// What prefill_attention_kernel needs of a step's chunks beyond the query and caches: int32 query_starts [chunks +
+// 1] covering its num_rows query rows (`rows_name` in the message), each chunk 1 .. seq_len query tokens, int32
+// seq_lens [chunks] within their int32 block_tables [chunks, width] rows of `block_size`-token blocks, a cache of
+// at most 2^31 elements (`cache_elements`: one of key or value) and head_dim a multiple of the vector lanes.
+void check_prefill_chunks(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                          const torch::Tensor& seq_lens, int64_t num_rows, const char* rows_name, int64_t block_size,
+                          int64_t cache_elements, int64_t head_dim);
+
 // query [seqs, heads, head_dim] -> output [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
 // block_tables [seqs, max_blocks] int32; seq_lens [seqs] int32 (>= 1); sliding_window <= 0 means none; soft_cap > 0
 // caps each scaled score s to soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2), 0 leaves it.

@@ -347,51 +347,32 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
   for (int64_t token = 0; token < num_tokens; ++token) {
     TORCH_CHECK(slot_of[token] < num_slots, "slot ", slot_of[token], " is outside the cache");
   }
-  // Each table must hold its seq_len keys; returns the table's width.
-  const auto check_tables = [&](const torch::Tensor& tables, const torch::Tensor& lens, int64_t num_rows,
-                                const char* name) {
-    TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.is_contiguous() && tables.dim() == 2 &&
-                    tables.size(0) == num_rows,
-                name, " block tables must be contiguous int32 [", num_rows, ", width]");
-    TORCH_CHECK(lens.scalar_type() == torch::kInt32 && lens.is_contiguous() && lens.numel() == num_rows, name,
-                " seq_lens must be int32 [", num_rows, "]");
-    const int32_t* len = lens.data_ptr<int32_t>();
-    for (int64_t row = 0; row < num_rows; ++row) {
-      TORCH_CHECK(len[row] >= 1 && (len[row] + block_size - 1) / std::max<int64_t>(1, block_size) <= tables.size(1),
-                  "seq_len ", len[row], " needs more blocks than its table holds");
-    }
-    return tables.size(1);
-  };
   const bool has_decodes = block_tables.has_value() && block_tables->defined();
-  TORCH_CHECK(has_decodes == (seq_lens.has_value() && seq_lens->defined()),
-              "block_tables and seq_lens go together");
+  TORCH_CHECK(has_decodes == (seq_lens.has_value() && seq_lens->defined()), "block_tables and seq_lens go together");
   const int64_t num_decodes = has_decodes ? seq_lens->numel() : 0;
-  const int64_t width = has_decodes ? check_tables(*block_tables, *seq_lens, num_decodes, "decode") : 0;
+  const int64_t width = has_decodes ? block_tables->size(1) : 0;
+  if (has_decodes) {
+    TORCH_CHECK(block_tables->scalar_type() == torch::kInt32 && block_tables->is_contiguous() &&
+                    block_tables->dim() == 2 && block_tables->size(0) == num_decodes,
+                "block_tables must be contiguous int32 [decodes, width]");
+    TORCH_CHECK(seq_lens->scalar_type() == torch::kInt32 && seq_lens->is_contiguous(), "seq_lens must be int32");
+    const int32_t* lens = seq_lens->data_ptr<int32_t>();
+    for (int64_t row = 0; row < num_decodes; ++row) {
+      TORCH_CHECK(lens[row] >= 1 && (lens[row] + block_size - 1) / std::max<int64_t>(1, block_size) <= width,
+                  "seq_len ", lens[row], " needs more blocks than its table holds");
+    }
+  }
   const bool has_chunks = prefill_query_starts.has_value() && prefill_query_starts->defined();
   TORCH_CHECK(has_chunks == (prefill_block_tables.has_value() && prefill_block_tables->defined()) &&
                   has_chunks == (prefill_seq_lens.has_value() && prefill_seq_lens->defined()),
               "prefill_block_tables, prefill_query_starts and prefill_seq_lens go together");
-  int64_t num_chunks = 0, prefill_width = 0;
   if (has_chunks) {
-    const torch::Tensor& starts = *prefill_query_starts;
-    num_chunks = prefill_seq_lens->numel();
-    prefill_width = check_tables(*prefill_block_tables, *prefill_seq_lens, num_chunks, "prefill");
-    TORCH_CHECK(starts.scalar_type() == torch::kInt32 && starts.is_contiguous() && starts.numel() == num_chunks + 1,
-                "prefill_query_starts must be int32 [chunks + 1]");
-    const int32_t* start = starts.data_ptr<int32_t>();
-    const int32_t* len = prefill_seq_lens->data_ptr<int32_t>();
-    TORCH_CHECK(start[0] == 0 && start[num_chunks] == num_tokens - num_decodes,
-                "prefill_query_starts must cover the rows after the decodes");
-    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-      TORCH_CHECK(start[chunk + 1] - start[chunk] >= 1 && start[chunk + 1] - start[chunk] <= len[chunk],
-                  "each chunk needs 1 .. seq_len query tokens");
-    }
-    // The prefill kernel's cache row offsets are 32-bit (one gather transposes a tile of keys).
+    int64_t cache_elements = 0;  // of the largest cache's key (or value) half
     for (const torch::Tensor& cache : kv_caches) {
-      TORCH_CHECK(cache.stride(0) <= std::numeric_limits<int32_t>::max(),
-                  "a prefill chunk's cache above 2^31 elements");
+      cache_elements = std::max(cache_elements, cache.stride(0));
     }
-    TORCH_CHECK(head_dim_ % kLanes == 0, "prefill chunks need head_dim a multiple of ", kLanes);
+    check_prefill_chunks(*prefill_block_tables, *prefill_query_starts, *prefill_seq_lens, num_tokens - num_decodes,
+                         "the rows after the decodes", block_size, cache_elements, head_dim_);
   } else {
     TORCH_CHECK(num_decodes == num_tokens, "without prefill chunks every row is a decode");
   }
@@ -434,10 +415,10 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
                   sin.data_ptr<float>(),
                   num_decodes,
                   has_chunks ? prefill_block_tables->data_ptr<int32_t>() : nullptr,
-                  prefill_width,
+                  has_chunks ? prefill_block_tables->size(1) : 0,
                   has_chunks ? prefill_query_starts->data_ptr<int32_t>() : nullptr,
                   has_chunks ? prefill_seq_lens->data_ptr<int32_t>() : nullptr,
-                  num_chunks};
+                  has_chunks ? prefill_seq_lens->numel() : 0};
   // A chunk's rows read each other's keys, as drafts of one sequence do.
   run_step(step, num_tokens, rows_share_sequences || has_chunks);
   if (bf16_weights_) {
