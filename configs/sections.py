@@ -252,9 +252,11 @@ class RuntimeConfig(Section):
     )
     greedy_screening: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Greedy rows on CPU (fp32): the LM head in bf16, then fp32 logits only for the tokens within "
-        "the bf16 error bound of the best: the same tokens for half the head's cost. auto: on CPUs with bf16 dot "
-        "products (AVX512-BF16, AMX); on: anywhere (oneDNN emulates bf16 elsewhere, slower).",
+        description="Greedy rows on CPU without their full logits, the same tokens. fp32: the LM head in bf16, "
+        "then fp32 logits only for the tokens within the bf16 error bound of the best (half the head's cost); auto: "
+        "on CPUs with bf16 dot products (AVX512-BF16, AMX); on: anywhere (oneDNN emulates bf16 elsewhere, slower). "
+        "bf16 on AMX (auto or on): each row's argmax kept as the head's tiles produce its logits. off: every row's "
+        "logits.",
     )
     cpu_kernels: Literal["auto", "on", "off"] = Field(
         default_factory=_cpu_kernels_default,

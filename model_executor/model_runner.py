@@ -13,6 +13,7 @@ from cuda_ext.cpu_ops import select_cpu_kernels
 from cuda_ext.cuda_graphs import PADDING_SEQ_LEN, PADDING_SLOT, CudaGraphRunner, bucket_for, decode_buckets
 from model_executor.cpu_decode_stack import runs_decode_stack
 from model_executor.input_batch import InputBatch, RunnerRequestState, build_input_batch
+from model_executor.layers.greedy_head import AmxGreedyHead
 from model_executor.layers.greedy_screen import GreedyScreen
 from model_executor.lora import LoRASlots
 from model_executor.model_info import ModelInfo
@@ -90,9 +91,10 @@ class ModelRunner:
         self.lora = LoRASlots(self.model, max_loras, max_rank)
         logger.info("LoRA: %d adapter slots of rank up to %d on %d layers", max_loras, max_rank, len(self.lora.layers))
 
-    def _build_greedy_screen(self, mode: str) -> GreedyScreen | None:
-        """The bf16 screen of this rank's LM head, where its argmax is the sampler's: one rank holds the whole head
-        (vocab-parallel heads would need a cross-rank argmax), and the logits are the head's raw output."""
+    def _build_greedy_screen(self, mode: str) -> GreedyScreen | AmxGreedyHead | None:
+        """What takes plain greedy rows past the sampler, where its argmax is the sampler's: one rank holds the whole
+        head (vocab-parallel heads would need a cross-rank argmax), and the logits are the head's raw output. Unless
+        `mode` is "off": a bf16 head on our AMX kernel takes the fused argmax; an fp32 head, the bf16 screen."""
         lm_head = getattr(self.model, "lm_head", None) if self.parallel.tp_size == 1 else None
         if lm_head is None:
             return None
@@ -100,8 +102,12 @@ class ModelRunner:
             # cap * tanh(x / cap) saturates in fp32: raw logits that differ can tie after it, and the sampler takes
             # the first of the tied, which the screen (an argmax of raw logits) need not pick.
             if mode != "off":
-                logger.info("greedy rows: fp32 LM head (final logits are soft-capped, so the bf16 screen is off)")
+                logger.info("greedy rows: the plain LM head (final logits are soft-capped, so no screen applies)")
             return None
+        fused = AmxGreedyHead.build(lm_head) if mode != "off" else None
+        if fused is not None:
+            logger.info("greedy rows: the argmax of the bf16 LM head's logits as its AMX tiles produce them")
+            return fused
         return GreedyScreen.build(lm_head.weight, lm_head.linear_method.ops, mode)
 
     def kv_cache_bytes_per_block(self) -> int:

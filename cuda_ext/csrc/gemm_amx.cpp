@@ -67,22 +67,22 @@ void load_tile_config() {
 // Tiles: 0-3 the sums (token block 0 or 1 x output block 0 or 1), 4-5 x's two token blocks, 6-7 the two weight
 // blocks. kTokenBlocks and kOutputBlocks (1 or 2) say which of them a block at the edge uses.
 template <int kTokenBlocks, int kOutputBlocks>
-void run_tile_block(const uint16_t* x_rows, int64_t x_row_bytes, const uint16_t* weight_0, const uint16_t* weight_1,
-                    int64_t depth_blocks, float* sums) {
+void run_tile_block(const uint16_t* x_tiles, const uint16_t* weight_0, const uint16_t* weight_1, int64_t depth_blocks,
+                    float* sums) {
   _tile_zero(0);
   if constexpr (kOutputBlocks == 2) _tile_zero(1);
   if constexpr (kTokenBlocks == 2) {
     _tile_zero(2);
     if constexpr (kOutputBlocks == 2) _tile_zero(3);
   }
-  const uint16_t* x_second = x_rows + kAmxRows * (x_row_bytes / 2);
+  const uint16_t* x_second = x_tiles + depth_blocks * kTileElements;
   for (int64_t depth = 0; depth < depth_blocks; ++depth) {
     // Past the block's end this runs into the next block: the one read next.
     prefetch_tile(weight_0 + (depth + kPrefetchDepth) * kTileElements);
     if constexpr (kOutputBlocks == 2) prefetch_tile(weight_1 + (depth + kPrefetchDepth) * kTileElements);
     // Loads in the order the previous step's products free their tiles (x 0 after product 1, weight 0 after 2),
     // each just before its own first product: the first loads overlap the previous step's last products.
-    _tile_loadd(4, x_rows + depth * kAmxColumns, x_row_bytes);
+    _tile_loadd(4, x_tiles + depth * kTileElements, 64);
     _tile_loadd(6, weight_0 + depth * kTileElements, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (kOutputBlocks == 2) {
@@ -90,7 +90,7 @@ void run_tile_block(const uint16_t* x_rows, int64_t x_row_bytes, const uint16_t*
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (kTokenBlocks == 2) {
-      _tile_loadd(5, x_second + depth * kAmxColumns, x_row_bytes);
+      _tile_loadd(5, x_second + depth * kTileElements, 64);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (kOutputBlocks == 2) _tile_dpbf16ps(3, 5, 7);
     }
@@ -104,7 +104,7 @@ void run_tile_block(const uint16_t* x_rows, int64_t x_row_bytes, const uint16_t*
   }
 }
 
-using TileBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*);
+using TileBlock = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, float*);
 // [token blocks - 1][output blocks - 1]
 constexpr TileBlock kTileBlocks[2][2] = {{&run_tile_block<1, 1>, &run_tile_block<1, 2>},
                                          {&run_tile_block<2, 1>, &run_tile_block<2, 2>}};
@@ -126,15 +126,17 @@ inline void store_row(uint16_t* target, const float* sums, const float* bias, __
   _mm256_mask_storeu_epi16(target, mask, reinterpret_cast<const __m256i&>(rounded));
 }
 
-// One x row into the padded copy: rounded to bf16, zero past the row's last column.
-inline void copy_row(uint16_t* target, const float* source, int64_t columns, int64_t padded_columns) {
-  floats_to_bf16(target, source, columns);
-  std::fill(target + columns, target + padded_columns, uint16_t{0});
+// One x row's 32 columns at `first_column` into its tile row: rounded to bf16, zero past the row's last column.
+inline void copy_tile_row(uint16_t* target, const float* row, int64_t first_column, int64_t columns) {
+  const int64_t count = std::min(kAmxColumns, columns - first_column);
+  floats_to_bf16(target, row + first_column, count);
+  std::fill(target + count, target + kAmxColumns, uint16_t{0});
 }
 
-inline void copy_row(uint16_t* target, const uint16_t* source, int64_t columns, int64_t padded_columns) {
-  std::memcpy(target, source, columns * sizeof(uint16_t));
-  std::fill(target + columns, target + padded_columns, uint16_t{0});
+inline void copy_tile_row(uint16_t* target, const uint16_t* row, int64_t first_column, int64_t columns) {
+  const int64_t count = std::min(kAmxColumns, columns - first_column);
+  std::memcpy(target, row + first_column, count * sizeof(uint16_t));
+  std::fill(target + count, target + kAmxColumns, uint16_t{0});
 }
 
 const uint16_t* bf16_bits(const torch::Tensor& tensor) {
@@ -158,28 +160,39 @@ bool amx_usable() {
   return usable;
 }
 
-template <typename In, typename Out>
-void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
-                       int64_t columns, const float* bias, Out* out, int64_t out_stride) {
+namespace {
+
+// Runs x [num_tokens, columns] against the packed weight's first `rows` outputs in 32 x 32 blocks and hands each
+// block's fp32 sums to on_block(sums, first_token, block_tokens, first_output, num_outputs): sums row r (kBlockSpan
+// apart) holds token first_token + r's sums of outputs first_output onwards. Blocks run on the pool threads.
+template <typename In, typename OnBlock>
+void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                        int64_t columns, const OnBlock& on_block) {
   if (num_tokens == 0 || rows == 0) {
     return;
   }
   const int64_t token_blocks = amx_blocks(num_tokens, kAmxRows);
   const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
-  const int64_t padded_columns = depth_blocks * kAmxColumns;
-  // Whole token blocks of zero-padded rows: the tiles read 16 rows of 32 columns at a time.
-  thread_local std::vector<uint16_t> x_copy;
-  x_copy.resize(token_blocks * kAmxRows * padded_columns);
-  for (int64_t token = 0; token < num_tokens; ++token) {
-    copy_row(x_copy.data() + token * padded_columns, x + token * x_stride, columns, padded_columns);
-  }
-  std::fill(x_copy.begin() + num_tokens * padded_columns, x_copy.end(), uint16_t{0});
-  const uint16_t* x_rows = x_copy.data();
-  const int64_t x_row_bytes = padded_columns * int64_t{sizeof(uint16_t)};
-  const int64_t output_blocks = amx_blocks(rows, kAmxRows);
+  // A 16-row block of x or of the weight: its depth_blocks tiles one after another.
   const int64_t block_elements = depth_blocks * kTileElements;
+  // x in the tiles' order (token block, depth block, 16 rows of 32 columns), zero-padded: each tile is 1 KiB in
+  // one page, where rows a whole x row apart would span several pages per tile.
+  thread_local std::vector<uint16_t> x_copy;
+  x_copy.resize(token_blocks * block_elements);
+  for (int64_t token = 0; token < token_blocks * kAmxRows; ++token) {
+    uint16_t* tile_row = x_copy.data() + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns;
+    for (int64_t depth = 0; depth < depth_blocks; ++depth) {
+      if (token < num_tokens) {
+        copy_tile_row(tile_row + depth * kTileElements, x + token * x_stride, depth * kAmxColumns, columns);
+      } else {
+        std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
+      }
+    }
+  }
+  const uint16_t* x_tiles = x_copy.data();
+  const int64_t output_blocks = amx_blocks(rows, kAmxRows);
   const int64_t output_pairs = (output_blocks + 1) / 2;
-  const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (x_row_bytes * kBlockSpan) * 2);
+  const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * kBlockSpan) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
   const int64_t work_per_item = 2 * block_elements * std::min(panel_blocks, token_blocks);
@@ -197,23 +210,37 @@ void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
       const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
       for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
         const int64_t num_token_blocks = std::min<int64_t>(2, token_blocks - token_block);
-        kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_rows + token_block * kAmxRows * padded_columns,
-                                                                 x_row_bytes, weight_0, weight_0 + block_elements,
-                                                                 depth_blocks, sums);
+        kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_tiles + token_block * block_elements, weight_0,
+                                                                 weight_0 + block_elements, depth_blocks, sums);
         const int64_t first_token = token_block * kAmxRows;
-        const int64_t block_tokens = std::min(kBlockSpan, num_tokens - first_token);
-        for (int64_t half = 0; half * kAmxRows < num_outputs; ++half) {
-          const int64_t width = std::min(kAmxRows, num_outputs - half * kAmxRows);
-          const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-          const float* half_bias = bias == nullptr ? nullptr : bias + first_output + half * kAmxRows;
-          for (int64_t row = 0; row < block_tokens; ++row) {
-            store_row(out + (first_token + row) * out_stride + first_output + half * kAmxRows,
-                      sums + row * kBlockSpan + half * kAmxRows, half_bias, mask);
-          }
-        }
+        on_block(sums, first_token, std::min(kBlockSpan, num_tokens - first_token), first_output, num_outputs);
       }
     }
   });
+}
+
+inline __mmask16 lanes_mask(int64_t width) {
+  return static_cast<__mmask16>((1u << width) - 1);
+}
+
+}  // namespace
+
+template <typename In, typename Out>
+void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                       int64_t columns, const float* bias, Out* out, int64_t out_stride) {
+  for_each_amx_block(x, x_stride, num_tokens, packed, rows, columns,
+                     [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
+                         int64_t num_outputs) {
+                       for (int64_t half = 0; half * kAmxRows < num_outputs; ++half) {
+                         const __mmask16 mask = lanes_mask(std::min(kAmxRows, num_outputs - half * kAmxRows));
+                         const int64_t output = first_output + half * kAmxRows;
+                         const float* half_bias = bias == nullptr ? nullptr : bias + output;
+                         for (int64_t row = 0; row < block_tokens; ++row) {
+                           store_row(out + (first_token + row) * out_stride + output,
+                                     sums + row * kBlockSpan + half * kAmxRows, half_bias, mask);
+                         }
+                       }
+                     });
 }
 
 template void amx_linear_kernel<float, float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
@@ -224,6 +251,126 @@ template void amx_linear_kernel<uint16_t, float>(const uint16_t*, int64_t, int64
                                                  int64_t, const float*, float*, int64_t);
 template void amx_linear_kernel<uint16_t, uint16_t>(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
                                                     int64_t, const float*, uint16_t*, int64_t);
+
+namespace {
+
+// fp32 values rounded to bf16 (to nearest even, as the linear's bf16 output is) and widened back, exactly.
+inline __m512 rounded_to_bf16(__m512 values) {
+  const __m256bh rounded = _mm512_cvtneps_pbh(values);
+  const __m512i widened = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(rounded));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
+}
+
+// Integer keys in the floats' order, with torch's max's ties and NaN: -0 equals +0 and NaN ranks above every number.
+inline __m512i ordered_keys(__m512 values) {
+  values = _mm512_add_ps(values, _mm512_setzero_ps());  // -0 + 0 is +0
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i negative_flip = _mm512_and_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(INT32_MAX));
+  const __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_xor_si512(bits, negative_flip), nan, _mm512_set1_epi32(INT32_MAX));
+}
+
+// One token's best logit so far in each of 16 lanes (lane l sees the outputs 16 k + l): its key and output index.
+struct alignas(64) LaneBest {
+  __m512i keys;
+  __m512i outputs;
+};
+
+constexpr int32_t kNoOutput = INT32_MAX;
+
+// A lane's candidate wins over its best with a greater key, or an equal key and a lower index (the first of equal
+// maxima, whichever order the threads ran the blocks in).
+inline __mmask16 wins(__m512i keys, __m512i outputs, const LaneBest& best) {
+  const __mmask16 greater = _mm512_cmpgt_epi32_mask(keys, best.keys);
+  const __mmask16 earlier_tie =
+      _mm512_cmpeq_epi32_mask(keys, best.keys) & _mm512_cmplt_epi32_mask(outputs, best.outputs);
+  return greater | earlier_tie;
+}
+
+template <typename In>
+void amx_greedy_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t columns,
+                       int64_t vocab_size, const int32_t* bitmask, int64_t bitmask_words, int64_t* token_ids) {
+  const int64_t num_threads = at::get_num_threads();
+  std::vector<LaneBest> lane_best(num_threads * num_tokens,
+                                  LaneBest{_mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(kNoOutput)});
+  const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for_each_amx_block(x, x_stride, num_tokens, packed, vocab_size, columns,
+                     [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
+                         int64_t num_outputs) {
+                       LaneBest* best = lane_best.data() + at::get_thread_num() * num_tokens + first_token;
+                       for (int64_t half = 0; half * kAmxRows < num_outputs; ++half) {
+                         const __mmask16 valid = lanes_mask(std::min(kAmxRows, num_outputs - half * kAmxRows));
+                         const int64_t output = first_output + half * kAmxRows;
+                         const __m512i outputs = _mm512_add_epi32(_mm512_set1_epi32(output), lane_offsets);
+                         for (int64_t row = 0; row < block_tokens; ++row) {
+                           __mmask16 allowed = valid;
+                           if (bitmask != nullptr) {
+                             const auto word = static_cast<uint32_t>(
+                                 bitmask[(first_token + row) * bitmask_words + output / 32]);
+                             allowed &= static_cast<__mmask16>(word >> (output % 32));
+                           }
+                           const __m512i keys = ordered_keys(
+                               rounded_to_bf16(_mm512_loadu_ps(sums + row * kBlockSpan + half * kAmxRows)));
+                           const __mmask16 better = wins(keys, outputs, best[row]) & allowed;
+                           best[row].keys = _mm512_mask_mov_epi32(best[row].keys, better, keys);
+                           best[row].outputs = _mm512_mask_mov_epi32(best[row].outputs, better, outputs);
+                         }
+                       }
+                     });
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    int32_t best_key = INT32_MIN;
+    int32_t best_output = kNoOutput;
+    for (int64_t thread = 0; thread < num_threads; ++thread) {
+      alignas(64) int32_t keys[16], outputs[16];
+      _mm512_store_si512(keys, lane_best[thread * num_tokens + token].keys);
+      _mm512_store_si512(outputs, lane_best[thread * num_tokens + token].outputs);
+      for (int lane = 0; lane < 16; ++lane) {
+        const bool better = keys[lane] > best_key || (keys[lane] == best_key && outputs[lane] < best_output);
+        if (outputs[lane] != kNoOutput && (best_output == kNoOutput || better)) {
+          best_key = keys[lane];
+          best_output = outputs[lane];
+        }
+      }
+    }
+    token_ids[token] = best_output == kNoOutput ? -1 : best_output;
+  }
+}
+
+}  // namespace
+
+torch::Tensor amx_greedy_tokens(const torch::Tensor& x, const torch::Tensor& packed, int64_t weight_rows,
+                                int64_t vocab_size, const std::optional<torch::Tensor>& bitmask) {
+  TORCH_CHECK(amx_usable(), "this CPU (or process) cannot use AMX tiles");
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x must be a 2-d bf16 or fp32 tensor");
+  TORCH_CHECK(0 < vocab_size && vocab_size <= weight_rows, "vocab_size must be in [1, weight_rows]");
+  const int64_t num_tokens = x.size(0), columns = x.size(1);
+  check_amx_weight(packed, weight_rows, columns, "packed");
+  const int32_t* bitmask_data = nullptr;
+  int64_t bitmask_words = 0;
+  if (bitmask.has_value() && bitmask->defined()) {
+    TORCH_CHECK(bitmask->device().is_cpu() && bitmask->scalar_type() == torch::kInt32 && bitmask->is_contiguous() &&
+                    bitmask->dim() == 2 && bitmask->size(0) == num_tokens &&
+                    bitmask->size(1) >= amx_blocks(vocab_size, 32),
+                "bitmask must be a contiguous CPU int32 tensor of [num_tokens, ceil(vocab_size / 32)] words");
+    bitmask_data = bitmask->data_ptr<int32_t>();
+    bitmask_words = bitmask->size(1);
+  }
+  torch::Tensor token_ids = torch::empty({num_tokens}, torch::kInt64);
+  if (num_tokens == 0) {
+    return token_ids;
+  }
+  const uint16_t* packed_bits = bf16_bits(packed);
+  if (x.scalar_type() == torch::kFloat32) {
+    amx_greedy_kernel(x.data_ptr<float>(), x.stride(0), num_tokens, packed_bits, columns, vocab_size, bitmask_data,
+                      bitmask_words, token_ids.data_ptr<int64_t>());
+  } else {
+    amx_greedy_kernel(bf16_bits(x), x.stride(0), num_tokens, packed_bits, columns, vocab_size, bitmask_data,
+                      bitmask_words, token_ids.data_ptr<int64_t>());
+  }
+  return token_ids;
+}
 
 torch::Tensor pack_amx_weight(const torch::Tensor& weight) {
   check_rows(weight, "weight");

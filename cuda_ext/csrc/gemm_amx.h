@@ -40,6 +40,14 @@ torch::Tensor pack_amx_weight(const torch::Tensor& weight);
 // out = x @ weight^T (+ bias) on pack_amx_weight(weight): x bf16 or fp32 (rounded to bf16), out bf16 or fp32.
 void amx_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
                 const std::optional<torch::Tensor>& bias);
+
+// The greedy token of each row of x under an LM head, without its logits: int64 [rows], row r's argmax over the
+// first vocab_size outputs of x[r] @ weight^T rounded to bf16 (the first of equal maxima, NaN above all, as
+// torch's argmax of amx_linear's bf16 logits), among the tokens its bitmask row allows (int32 words, bit t % 32 of
+// word t / 32; optional); -1 for a row that allows none. packed is pack_amx_weight of a [weight_rows, columns]
+// weight.
+torch::Tensor amx_greedy_tokens(const torch::Tensor& x, const torch::Tensor& packed, int64_t weight_rows,
+                                int64_t vocab_size, const std::optional<torch::Tensor>& bitmask);
 #endif
 
 }  // namespace pagedserve
