@@ -21,7 +21,8 @@ from cluster.bench.config import BenchConfig, parse_batch_sizes
 from cluster.bench.serving import baseline_model_dir, run_benchmark
 from cluster.bench.stats import format_report, percentile, summarize
 from cluster.bench.workload import arrival_gaps, output_length_bounds, output_lengths, synthetic_prompts
-from model_executor.cpu_features import cpu_has_bf16_dot_products
+from cuda_ext.cpu_ops import load_cpu_ops
+from model_executor.cpu_features import cpu_has_amx_bf16, cpu_has_bf16_dot_products
 
 SUMMARY_KEYS = {
     "completed",
@@ -236,6 +237,12 @@ def test_matmul_roofline_on_the_tiny_model(tiny_model_dir):
         assert result["lm_head"] == ("bf16 (greedy screen)" if cpu_has_bf16_dot_products() else "float32")
     fp32_head = matmul_roofline(tiny_model_dir, 4, iterations=2, show_progress=False, greedy_head=False)
     assert fp32_head["lm_head"] == "float32"
+    # A bf16 model: its greedy rows' head is the fused argmax on AMX tiles, else its plain bf16 head.
+    bf16 = matmul_roofline(tiny_model_dir, 4, iterations=2, show_progress=False, dtype="bfloat16")
+    ops = load_cpu_ops()
+    fused = cpu_has_amx_bf16() and getattr(ops, "has_amx", False) and ops.amx_usable()
+    assert bf16["lm_head"] == ("bf16 (fused greedy argmax)" if fused else "bfloat16")
+    assert bf16["dtype"] == "bfloat16" and bf16["tok_per_s"] > 0
     prefill = matmul_roofline(tiny_model_dir, 8, iterations=2, show_progress=False, include_lm_head=False)
     assert prefill["num_matmuls"] == 2 * 4 and prefill["linear_params"] == 2 * per_layer
     assert prefill["lm_head"] is None

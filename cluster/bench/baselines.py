@@ -191,8 +191,9 @@ def matmul_roofline(
     a prefill chunk's matmuls, whose rows but the last never reach the LM head).
 
     The LM head is the matmul the engine runs for greedy rows (the benchmarks' rows): where the engine screens
-    them (`model_executor.layers.greedy_screen`), its bf16 matmul; `greedy_head=False` (or no screen) times the
-    fp32 head that sampled rows take.
+    them (`model_executor.layers.greedy_screen`), its bf16 matmul; where a bf16 head takes them on AMX
+    (`model_executor.layers.greedy_head`), that matmul with its argmax; `greedy_head=False` (or neither) times the
+    head that sampled rows take.
 
     The weights are those `ModelRunner` loads (`device` and `dtype` resolved as the engine resolves them); the
     inputs are random activations of each layer's input width, made once. Each timed step runs every layer's
@@ -215,12 +216,18 @@ def matmul_roofline(
         width: torch.randn(batch_size, width, generator=generator, dtype=torch.float32).to(run_device, run_dtype)
         for width in {weight.shape[1] for weight in weights}
     }
+    from model_executor.layers.greedy_screen import GreedyScreen
+
     screen = runner.greedy_screen if greedy_head else None
+    # The fp32 screen reads a bf16 copy of the head; the fused bf16 head, the head's own bf16 weight.
+    screens_fp32_head = isinstance(screen, GreedyScreen)
 
     def matmul_of(name: str, module: Any) -> Any:
         if name != "lm_head":
             return module
-        return screen.approx_logits if screen is not None else module.compute_logits
+        if screen is None:
+            return module.compute_logits
+        return screen.approx_logits if screens_fp32_head else screen.token_ids
 
     calls = [(matmul_of(name, module), activations[module.weight.shape[1]]) for name, module in linears]
 
@@ -245,15 +252,16 @@ def matmul_roofline(
     step_time = statistics.median(step_times)
     params = sum(weight.numel() for weight in weights)
     weight_bytes = sum(weight.numel() * weight.element_size() for weight in weights)
-    if screen is not None and include_lm_head:
+    if screens_fp32_head and include_lm_head:
         # The screened head reads its bf16 copy: half the fp32 weight's bytes.
         weight_bytes -= model.lm_head.weight.numel() * model.lm_head.weight.element_size() // 2
+    head_label = str(run_dtype).removeprefix("torch.")
+    if screen is not None:
+        head_label = "bf16 (greedy screen)" if screens_fp32_head else "bf16 (fused greedy argmax)"
     result = {
         "batch_size": batch_size,
         "include_lm_head": include_lm_head,
-        "lm_head": ("bf16 (greedy screen)" if screen is not None else str(run_dtype).removeprefix("torch."))
-        if include_lm_head
-        else None,
+        "lm_head": head_label if include_lm_head else None,
         "iterations": iterations,
         "warmup": warmup,
         "step_time_s": step_time,
