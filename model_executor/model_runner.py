@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from configs.sampling_params import SamplingParams
-from cuda_ext.cpu_ops import select_cpu_kernels
+from cuda_ext.cpu_ops import load_cpu_ops, select_cpu_kernels
 from cuda_ext.cuda_graphs import PADDING_SEQ_LEN, PADDING_SLOT, CudaGraphRunner, bucket_for, decode_buckets
 from model_executor.cpu_decode_stack import runs_decode_stack
 from model_executor.input_batch import InputBatch, RunnerRequestState, build_input_batch
@@ -62,7 +62,7 @@ class ModelRunner:
         self.is_driver = self.parallel.is_last_stage and self.parallel.tp_rank == 0
         # The only rank: nobody else needs the sampled tokens, so plans don't carry them back (see Scheduler).
         self.keeps_sampled_tokens = self.parallel.tp_size * self.parallel.pp_size == 1
-        self.sampler = Sampler(model_info.eos_token_ids)
+        self.sampler = Sampler(model_info.eos_token_ids, load_cpu_ops() if use_cpu_kernels else None)
         # Structured outputs: the sampling rank alone constrains (the others learn its tokens from the plans).
         self.grammar_store = GrammarStore() if self.is_driver else None
         self.grammars: dict[str, RequestGrammar] = {}
@@ -383,7 +383,8 @@ class ModelRunner:
         if greedy_index:
             sampled = self._sample_with_screen(hidden_states, sampling_rows, greedy_index, bitmask)
         else:
-            logits = self.model.compute_logits(hidden_states).float()
+            # In the head's dtype: the sampler widens what it processes, and its one-kernel draw reads bf16 as it is.
+            logits = self.model.compute_logits(hidden_states)
             if not self.is_driver:
                 return StepResult()
             sampled = self.sampler(logits, sampling_rows, bitmask)
@@ -445,7 +446,7 @@ class ModelRunner:
         if other_index:
             hidden_greedy = hidden.index_select(0, torch.tensor(greedy_index, dtype=torch.int64))
             hidden_other = hidden.index_select(0, torch.tensor(other_index, dtype=torch.int64))
-            logits = self.model.compute_logits(hidden_other).float()
+            logits = self.model.compute_logits(hidden_other)
             other_bitmask = None if bitmask is None else bitmask[other_index]
             others = self.sampler(logits, [rows[index] for index in other_index], other_bitmask)
             for index, token_id, entry in zip(other_index, others.sampled_token_ids, others.logprobs, strict=True):

@@ -20,7 +20,10 @@ sorts the full vocabulary for rows whose nucleus is wider than that.
 Drawing uses a two-level inverse CDF over the unnormalised probabilities (one float64 uniform per row per step): pick a
 block of 256 tokens from the cumulative block masses, then a token inside the block. It is exact up to float32 rounding
 of the probabilities, makes one pass over the vocabulary instead of generating a random number per token, and a seeded
-row takes its uniform from its own generator, so a seed gives the same tokens whatever else shares the batch.
+row takes its uniform from its own generator, so a seed gives the same tokens whatever else shares the batch. On CPU
+with our C++ kernels, rows without min_p / top_k / top_p draw in one kernel (`sample_from_logits`: the same draw from
+the same uniform, reading bf16 logits as they are), where the torch composition makes several passes over float32
+copies of the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -76,8 +80,10 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row of a logits matrix; stateless apart from the EOS ids (generators live in the rows)."""
 
-    def __init__(self, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, eos_token_ids: Collection[int], cpu_ops: ModuleType | None = None) -> None:
         self.eos_token_ids: tuple[int, ...] = tuple(sorted({int(t) for t in eos_token_ids}))
+        # Our C++ CPU kernels, for the one-kernel draw of CPU rows (None: torch alone).
+        self.draw_kernel = getattr(cpu_ops, "sample_from_logits", None)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None
@@ -90,6 +96,9 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}.")
+        if self._draws_in_one_kernel(logits, rows):
+            # Nothing to process or report, and no row filters: one kernel on the logits as they are (bf16 too).
+            return SamplerOutput(self._draw_in_kernel(logits, rows).tolist(), [None] * len(rows))
         if logits.dtype != torch.float32:
             logits = logits.float()
         if bitmask is not None:
@@ -127,17 +136,37 @@ class Sampler:
         _apply_penalties(logits, rows)
         return logits
 
-    def is_plain_greedy(self, row: SamplingRow) -> bool:
-        """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits (for a row with
-        structured outputs, of those its grammar allows)."""
+    def _draws_in_one_kernel(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> bool:
+        """Every row random and plain (nothing to process or report, no grammar), none filtered, on the CPU kernel."""
+        if self.draw_kernel is None or logits.device.type != "cpu" or logits.stride(-1) != 1:
+            return False
+        vocab = logits.shape[1]
+        return all(
+            not row.params.is_greedy
+            and row.params.structured_outputs is None
+            and self._is_plain(row)
+            and not _filters(row.params, vocab)
+            for row in rows
+        )
+
+    def _draw_in_kernel(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        temperatures = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
+        return self.draw_kernel(logits, temperatures, _row_uniforms(rows))
+
+    def _is_plain(self, row: SamplingRow) -> bool:
+        """Nothing to apply or report: the row's token comes from its raw logits."""
         params = row.params
         return (
-            params.is_greedy
-            and params.logprobs is None
+            params.logprobs is None
             and not params.logit_bias
             and not params.needs_penalties
             and not self._under_min_tokens(row)
         )
+
+    def is_plain_greedy(self, row: SamplingRow) -> bool:
+        """Greedy with nothing to apply or report: the row's token is the argmax of its raw logits (for a row with
+        structured outputs, of those its grammar allows)."""
+        return row.params.is_greedy and self._is_plain(row)
 
     def _under_min_tokens(self, row: SamplingRow) -> bool:
         params = row.params
@@ -178,12 +207,20 @@ class Sampler:
         if not random_idx:
             return greedy_tokens(logits)
         if len(random_idx) == len(rows):
-            return _sample_random(logits, rows)
+            return self._sample_random(logits, rows)
         greedy_idx = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         sampled[greedy_idx] = greedy_tokens(logits[greedy_idx])
-        sampled[random_idx] = _sample_random(logits[random_idx], [rows[i] for i in random_idx])
+        sampled[random_idx] = self._sample_random(logits[random_idx], [rows[i] for i in random_idx])
         return sampled
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The random rows' draws: in one kernel where no row filters and the kernel takes these logits."""
+        vocab = logits.shape[1]
+        on_kernel = self.draw_kernel is not None and logits.device.type == "cpu" and logits.stride(-1) == 1
+        if on_kernel and not any(_filters(row.params, vocab) for row in rows):
+            return self._draw_in_kernel(logits, rows)
+        return _sample_random(logits, rows)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -239,7 +276,6 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, min_p / top_k / top_p and one draw per row; `logits` (the random rows only) is overwritten."""
-    num_rows = logits.shape[0]
     device = logits.device
     temperature = [row.params.temperature for row in rows]
     # Unnormalised probabilities exp((l - max) / T): the top token weighs exactly 1, so min_p is a plain threshold.
@@ -252,7 +288,12 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if threshold is not None:
         weights.masked_fill_(weights < threshold.unsqueeze(1), 0.0)
 
-    uniforms = torch.empty(num_rows, dtype=torch.float64)
+    return _inverse_cdf_sample(weights, _row_uniforms(rows).to(device))
+
+
+def _row_uniforms(rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """float64 [rows] on the CPU: each row's uniform of this step, a seeded row's from its own generator."""
+    uniforms = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, row in enumerate(rows) if row.generator is None]
     if unseeded:
         uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
@@ -261,7 +302,12 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             # One draw per step from the request's own generator: batch-independent and cheap.
             generator = row.generator
             uniforms[i] = torch.rand((), dtype=torch.float64, generator=generator, device=generator.device).item()
-    return _inverse_cdf_sample(weights, uniforms.to(device))
+    return uniforms
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether min_p, top_k or top_p may drop tokens of this row."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0 or bool(params.min_p)
 
 
 def _drop_thresholds(weights: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
@@ -270,11 +316,11 @@ def _drop_thresholds(weights: torch.Tensor, params: Sequence[SamplingParams]) ->
     `weights` are the unnormalised probabilities with the top token at 1.
     """
     num_rows, vocab = weights.shape
+    if not any(_filters(p, vocab) for p in params):
+        return None
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
-    if not any(top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-        return None
     # min_p first, as vLLM applies it before top_k/top_p; relative to the top token it is the weight itself.
     threshold = torch.tensor(min_p, dtype=weights.dtype, device=weights.device)
 

@@ -7,6 +7,7 @@
 #include "gemm_amx.h"
 #include "gemm_panels.h"
 #include "greedy_screen.h"
+#include "sampling.h"
 #include "simd.h"
 
 using namespace pagedserve;
@@ -30,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_tokens", &linear_tokens, "x @ weight^T for fp32 tokens, each weight streamed from memory once");
   module.def("pack_panels", &pack_panels, "an fp32 weight in the panel layout panel_linear reads");
   module.def("panel_linear", &panel_linear, "x @ weight^T for fp32 tokens on a pack_panels weight");
+  module.def("sample_from_logits", &sample_from_logits,
+             "one draw per row: temperature, softmax and the sampler's two-level inverse CDF on bf16 or fp32 logits",
+             pybind11::arg("logits"), pybind11::arg("temperatures"), pybind11::arg("uniforms"),
+             pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("screened_greedy", &screened_greedy, "exact greedy tokens from bf16 logits and fp32 candidates",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   // fp32 lanes per vector register of this build: how far linear_tokens beats a GEMM library depends on it.
