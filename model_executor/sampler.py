@@ -136,9 +136,12 @@ class Sampler:
         _apply_penalties(logits, rows)
         return logits
 
+    def _kernel_takes(self, logits: torch.Tensor) -> bool:
+        return self.draw_kernel is not None and logits.device.type == "cpu" and logits.stride(-1) == 1
+
     def _draws_in_one_kernel(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> bool:
         """Every row random and plain (nothing to process or report, no grammar), none filtered, on the CPU kernel."""
-        if self.draw_kernel is None or logits.device.type != "cpu" or logits.stride(-1) != 1:
+        if not self._kernel_takes(logits):
             return False
         vocab = logits.shape[1]
         return all(
@@ -217,8 +220,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The random rows' draws: in one kernel where no row filters and the kernel takes these logits."""
         vocab = logits.shape[1]
-        on_kernel = self.draw_kernel is not None and logits.device.type == "cpu" and logits.stride(-1) == 1
-        if on_kernel and not any(_filters(row.params, vocab) for row in rows):
+        if self._kernel_takes(logits) and not any(_filters(row.params, vocab) for row in rows):
             return self._draw_in_kernel(logits, rows)
         return _sample_random(logits, rows)
 

@@ -317,22 +317,26 @@ void amx_greedy_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
                          }
                        }
                      });
+  // The same rule across threads, then lanes. A lane that saw no allowed output still holds (INT32_MIN, kNoOutput),
+  // which every scored output beats: no key reaches INT32_MIN (its bits are a NaN's, keyed INT32_MAX).
   for (int64_t token = 0; token < num_tokens; ++token) {
-    int32_t best_key = INT32_MIN;
-    int32_t best_output = kNoOutput;
-    for (int64_t thread = 0; thread < num_threads; ++thread) {
-      alignas(64) int32_t keys[16], outputs[16];
-      _mm512_store_si512(keys, lane_best[thread * num_tokens + token].keys);
-      _mm512_store_si512(outputs, lane_best[thread * num_tokens + token].outputs);
-      for (int lane = 0; lane < 16; ++lane) {
-        const bool better = keys[lane] > best_key || (keys[lane] == best_key && outputs[lane] < best_output);
-        if (outputs[lane] != kNoOutput && (best_output == kNoOutput || better)) {
-          best_key = keys[lane];
-          best_output = outputs[lane];
-        }
+    LaneBest merged = lane_best[token];
+    for (int64_t thread = 1; thread < num_threads; ++thread) {
+      const LaneBest& other = lane_best[thread * num_tokens + token];
+      const __mmask16 better = wins(other.keys, other.outputs, merged);
+      merged.keys = _mm512_mask_mov_epi32(merged.keys, better, other.keys);
+      merged.outputs = _mm512_mask_mov_epi32(merged.outputs, better, other.outputs);
+    }
+    alignas(64) int32_t keys[16], outputs[16];
+    _mm512_store_si512(keys, merged.keys);
+    _mm512_store_si512(outputs, merged.outputs);
+    int64_t best = 0;
+    for (int64_t lane = 1; lane < 16; ++lane) {
+      if (keys[lane] > keys[best] || (keys[lane] == keys[best] && outputs[lane] < outputs[best])) {
+        best = lane;
       }
     }
-    token_ids[token] = best_output == kNoOutput ? -1 : best_output;
+    token_ids[token] = outputs[best] == kNoOutput ? -1 : outputs[best];
   }
 }
 
