@@ -96,6 +96,31 @@ def test_amx_linear_gives_the_same_bits_on_any_number_of_threads() -> None:
     assert_same_bits_on_any_number_of_threads(OPS.pack_amx_weight, OPS.amx_linear)
 
 
+@pytest.mark.parametrize(("rows", "columns", "num_tokens"), [(576, 1536, 489), (96, 577, 512)])
+def test_amx_linear_of_a_prefill_chunk_is_the_same_on_any_number_of_threads(
+    rows: int, columns: int, num_tokens: int
+) -> None:
+    """A prefill chunk's x is rounded into tile order on the pool threads (token blocks split among them; a partial
+    last block zero-padded): fp32 and bf16 x give the one-thread bits, within the bound."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(rows, columns, generator=generator).bfloat16()
+    packed = OPS.pack_amx_weight(weight)
+    x = torch.randn(num_tokens, columns + 3, generator=generator)[:, :columns]
+    previous = torch.get_num_threads()
+    try:
+        for x_in in (x, x.bfloat16()):
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = torch.empty(num_tokens, rows)
+                OPS.amx_linear(out, x_in, packed)
+                results.append(out)
+            assert_within_bound(results[0], x.bfloat16(), weight)
+            assert all(torch.equal(result, results[0]) for result in results[1:])
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:
     """On an AMX CPU: our AMX kernel up to its token limit, oneDNN's beyond; decode steps take the stack."""
     from model_executor.layers.linear import CpuAmxLinearMethod

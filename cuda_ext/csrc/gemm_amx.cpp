@@ -179,16 +179,20 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
   // one page, where rows a whole x row apart would span several pages per tile.
   thread_local std::vector<uint16_t> x_copy;
   x_copy.resize(token_blocks * block_elements);
-  for (int64_t token = 0; token < token_blocks * kAmxRows; ++token) {
-    uint16_t* tile_row = x_copy.data() + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns;
-    for (int64_t depth = 0; depth < depth_blocks; ++depth) {
-      if (token < num_tokens) {
-        copy_tile_row(tile_row + depth * kTileElements, x + token * x_stride, depth * kAmxColumns, columns);
-      } else {
-        std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
+  uint16_t* const x_tiles_out = x_copy.data();
+  // On the pool threads too: a prefill chunk's copy (rounding fp32 rows) is a serial stretch between two regions.
+  parallel_claims(token_blocks, block_elements, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin * kAmxRows; token < end * kAmxRows; ++token) {
+      uint16_t* tile_row = x_tiles_out + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns;
+      for (int64_t depth = 0; depth < depth_blocks; ++depth) {
+        if (token < num_tokens) {
+          copy_tile_row(tile_row + depth * kTileElements, x + token * x_stride, depth * kAmxColumns, columns);
+        } else {
+          std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
+        }
       }
     }
-  }
+  });
   const uint16_t* x_tiles = x_copy.data();
   const int64_t output_blocks = amx_blocks(rows, kAmxRows);
   const int64_t output_pairs = (output_blocks + 1) / 2;
