@@ -147,3 +147,46 @@ def test_a_bf16_layer_without_kernel_weights_is_refused() -> None:
             None,
             None,
         )
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles on this CPU (or build)")
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "hidden_size": 40, "intermediate_size": 36}])
+def test_lockstep_decode_steps_match_one_thread_bit_for_bit(overrides: dict[str, object]) -> None:
+    """With AMX linears and 16 decode rows or more per thread, the threads go through each stage together: each
+    projection's weight pairs shared out, the row-wise work (norms, attention, SiLU) by rows. 50 rows (a partial
+    last token block), contexts long and short, on 2 and 3 threads: output and cache equal the one-thread stack's
+    exactly (one thread runs every kernel over all rows)."""
+    model = bf16_llama("amx", **overrides)
+    num_cached = [60 - i for i in range(20)] + [1 + i % 5 for i in range(30)]
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(4)).tolist()
+    tables, start = [], 0
+    for cached in num_cached:
+        needed = cached // BLOCK_SIZE + 1
+        tables.append(blocks[start : start + needed])
+        start += needed
+    caches = [
+        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
+        for _ in range(model.num_local_layers)
+    ]
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), None)
+    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+
+    def step(num_threads: int) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+        step_caches = [cache.clone() for cache in caches]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            (output,) = as_tuple(run(model, step_caches, decode, None))
+        finally:
+            torch.set_num_threads(previous)
+        return output, step_caches, model.decode_stack.last_step_lockstep
+
+    one_output, one_caches, one_lockstep = step(1)
+    assert not one_lockstep
+    for num_threads in (2, 3, 2):
+        output, step_caches, lockstep = step(num_threads)
+        assert lockstep
+        torch.testing.assert_close(output, one_output, rtol=0, atol=0)
+        for cache, one_cache in zip(step_caches, one_caches, strict=True):
+            torch.testing.assert_close(cache, one_cache, rtol=0, atol=0)

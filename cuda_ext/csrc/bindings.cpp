@@ -91,5 +91,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("prefill_query_starts") = pybind11::none(),
            pybind11::arg("prefill_seq_lens") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs);
+      .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs)
+      .def_property_readonly("last_step_lockstep", &DecodeStack::last_step_lockstep);
 }

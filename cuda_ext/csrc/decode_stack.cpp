@@ -8,7 +8,9 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <type_traits>
 
 #include "attention.h"
@@ -237,6 +239,59 @@ class DecodeStack::RowShare {
   int64_t num_handoffs_ = 0;  // under mutex_
 };
 
+// A lockstep step's stages in order, each a number of work items. Each thread has a contiguous share of a stage's
+// items and claims them from its front (its weight pairs stream in order), then takes what is left in the other
+// shares; it starts its next stage once every item of this one is done. A thread the OS preempts holds up at most
+// the item it runs, and a region with fewer threads than shares still runs every item.
+class DecodeStack::StageClaims {
+ public:
+  StageClaims(int64_t num_stages, int64_t num_shares)
+      : num_shares_(num_shares), cursors_(new Cursor[num_stages * num_shares]), done_(new Cursor[num_stages]) {
+    for (int64_t stage = 0; stage < num_stages; ++stage) {
+      done_[stage].next.store(0, std::memory_order_relaxed);
+      for (int64_t share = 0; share < num_shares; ++share) {
+        cursors_[stage * num_shares + share].next.store(-1, std::memory_order_relaxed);  // -1: not opened yet
+      }
+    }
+  }
+
+  // fn(item) for the items of `stage` this thread claims, then the wait for the rest.
+  template <typename Fn>
+  void run(int64_t stage, int64_t num_items, const Fn& fn) {
+    Cursor* cursors = cursors_.get() + stage * num_shares_;
+    const int64_t own = std::min<int64_t>(at::get_thread_num(), num_shares_ - 1);
+    int64_t num_done = 0;  // told once, when this thread has nothing left to claim: no line shared per item
+    for (int64_t offset = 0; offset < num_shares_; ++offset) {
+      const int64_t share = (own + offset) % num_shares_;
+      const int64_t begin = num_items * share / num_shares_, end = num_items * (share + 1) / num_shares_;
+      int64_t expected = -1;  // the first thread at a share opens it at its front
+      cursors[share].next.compare_exchange_strong(expected, begin, std::memory_order_relaxed);
+      for (int64_t item = cursors[share].next.fetch_add(1, std::memory_order_relaxed); item < end;
+           item = cursors[share].next.fetch_add(1, std::memory_order_relaxed)) {
+        fn(item);
+        ++num_done;
+      }
+    }
+    done_[stage].next.fetch_add(num_done, std::memory_order_release);
+    for (int64_t spins = 0; done_[stage].next.load(std::memory_order_acquire) < num_items; ++spins) {
+      // Spinning keeps the wait short; past a while the other thread is likely preempted: give it the core.
+      if (spins < kSpinsBeforeYield) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpinsBeforeYield = 1 << 14;
+  struct alignas(64) Cursor {
+    std::atomic<int64_t> next;
+  };
+  int64_t num_shares_;
+  std::unique_ptr<Cursor[]> cursors_, done_;
+};
+
 DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          int64_t sliding_window)
     : num_heads_(num_heads),
@@ -304,6 +359,7 @@ void DecodeStack::add_layer(const torch::Tensor& input_norm, const torch::Tensor
   for (const Linear* linear : {&added.qkv, &added.o, &added.gate_up, &added.down}) {
     TORCH_CHECK(!bf16_weights || linear->amx.defined() || linear->bf16_panels.defined(),
                 "a bf16 weight runs on its AMX tiles or bf16 panels, neither given");
+    all_amx_ = all_amx_ && linear->amx.defined();
   }
   hidden_ = hidden;
   inter_ = inter;
@@ -431,6 +487,7 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
 void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences) {
   const int64_t num_threads = at::get_num_threads();
   last_step_handoffs_ = 0;
+  last_step_lockstep_ = false;
   // Rows of one sequence (speculative drafts) read each other's keys: only rows that go through each stage
   // together have every row's keys written before any row attends.
   if (rows_share_sequences || num_threads < 2 || num_tokens < kMinRowsPerThread * num_threads ||
@@ -438,6 +495,15 @@ void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share
     run_rows(step, Rows{0, num_tokens, 0, 0}, nullptr);  // every kernel spreads its own work over the threads
     return;
   }
+#if defined(PAGEDSERVE_HAS_AMX)
+  // AMX linears share each projection's weight out among the threads instead: the row split below streams every
+  // weight from memory once per thread.
+  if (bf16_weights_ && all_amx_) {
+    last_step_lockstep_ = true;
+    run_lockstep(step, num_tokens);
+    return;
+  }
+#endif
   // Each thread takes its share of the tokens through every layer on its own, its kernels single-threaded (they
   // are inside a parallel region): no barrier between a step's ~150 kernels, and the norms, rotary and SiLU
   // run on every thread. A thread done early takes half of what another has left at its next stage.
@@ -512,6 +578,66 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
   }
   return rows.end - rows.begin;
 }
+
+#if defined(PAGEDSERVE_HAS_AMX)
+void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
+  x_tiles_.resize(amx_x_tile_elements(num_tokens, std::max({hidden_, q_size, inter_})));
+  uint16_t* const x_tiles = x_tiles_.data();
+  constexpr int64_t kStagesPerLayer = 8;
+  const int64_t num_threads = at::get_num_threads();
+  StageClaims claims(static_cast<int64_t>(layers_.size()) * kStagesPerLayer, num_threads);
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    int64_t stage = 0;
+    for (int64_t index = 0; index < static_cast<int64_t>(layers_.size()); ++index) {
+      const Layer& layer = layers_[index];
+      const torch::Tensor& cache = (*step.kv_caches)[index];
+      // Each row-wise stage leaves the next projection's input in x_tiles (the projection before it is done).
+      const auto norm_into_tiles = [&](const torch::Tensor& norm) {
+        claims.run(stage++, num_tokens, [&](int64_t token) {
+          float* row = step.hidden + token * hidden_;
+          add_rms_norm_row<float>(row, step.residual + token * hidden_, norm.data_ptr<float>(), hidden_, eps_);
+          amx_copy_token_row(row, hidden_, token, x_tiles);
+        });
+      };
+      norm_into_tiles(layer.input_norm);
+      project_pairs(layer.qkv, hidden_, num_tokens, qkv_.data(), claims, stage++);
+      claims.run(stage++, num_tokens, [&](int64_t token) {
+        c10::BFloat16* attended = attended_bf16_.data() + token * q_size;
+        attend<c10::BFloat16>(layer, step, cache, token, 1, qkv_.data() + token * qkv_rows,
+                              query_bf16_.data() + token * q_size, attended);
+        amx_copy_token_row(reinterpret_cast<const uint16_t*>(attended), q_size, token, x_tiles);
+      });
+      project_pairs(layer.o, q_size, num_tokens, step.hidden, claims, stage++);
+      norm_into_tiles(layer.post_norm);
+      project_pairs(layer.gate_up, hidden_, num_tokens, gate_up_.data(), claims, stage++);
+      claims.run(stage++, num_tokens, [&](int64_t token) {
+        const float* gate = gate_up_.data() + token * 2 * inter_;
+        float* activated = activated_.data() + token * inter_;
+        silu_and_mul_row<float>(activated, gate, gate + inter_, inter_);
+        amx_copy_token_row(activated, inter_, token, x_tiles);
+      });
+      project_pairs(layer.down, inter_, num_tokens, step.hidden, claims, stage++);
+    }
+  });
+}
+
+void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, float* out,
+                                StageClaims& claims, int64_t stage) const {
+  const int64_t rows = linear.weight.size(0);
+  const uint16_t* packed = reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>());
+  const float* bias = linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr;
+  // Items (weight pair, pair of token blocks), a pair's next to each other: a thread's share streams its weights
+  // once, and the last items of a stage are short.
+  const int64_t token_pairs = amx_blocks(amx_blocks(num_tokens, kAmxRows), 2);
+  claims.run(stage, amx_output_pairs(rows) * token_pairs, [&](int64_t item) {
+    const int64_t first_token_block = item % token_pairs * 2;
+    amx_linear_pair(x_tiles_.data(), num_tokens, packed, rows, columns, bias, out, rows, item / token_pairs,
+                    first_token_block, std::min(amx_blocks(num_tokens, kAmxRows), first_token_block + 2));
+  });
+}
+#endif
 
 void DecodeStack::norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const {
   const int64_t half = head_dim_ / 2;

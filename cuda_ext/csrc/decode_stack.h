@@ -15,7 +15,8 @@ namespace pagedserve {
 // norm and the SwiGLU MLP, without the Python and dispatch overhead of a step's ~30 small ops per layer. Projections
 // run panel_linear_kernel on the layer's panel-packed weights, or linear_tokens_kernel on the plain weights where a
 // layer has none. With 16 tokens or more per thread, each thread takes its own tokens through every layer (see
-// forward); with fewer, every kernel spreads over the threads. Prefill chunks after the decodes (a mixed step) run
+// forward), or, where every linear is on AMX tiles, the threads go through each stage together (run_lockstep);
+// with fewer, every kernel spreads over the threads. Prefill chunks after the decodes (a mixed step) run
 // the prefill attention kernel over their rows once every row's keys are written, each kernel over all rows.
 //
 // bf16 models (where the build has AVX512-BF16): bf16 weights run on their AMX tiles (pack_amx_weight) or else on
@@ -68,6 +69,10 @@ class DecodeStack {
   int64_t last_step_handoffs() const {
     return last_step_handoffs_;
   }
+  // Whether the last forward ran in lockstep (run_lockstep).
+  bool last_step_lockstep() const {
+    return last_step_lockstep_;
+  }
 
  private:
   // A step's tensors, as pointers: row `token` of each is that token's.
@@ -89,8 +94,18 @@ class DecodeStack {
     torch::Tensor q_norm, k_norm;  // may be undefined
   };
 
+  // The work items of a lockstep step's stages, claimed by whichever threads run it.
+  class StageClaims;
+
   // Every token of the step through every layer, on one thread's rows or on each thread's share.
   void run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences);
+  // A decode step of AMX linears with every thread on each stage: a projection's weight pairs are shared out
+  // among the threads (each weight streams from memory once a step, not once per thread), the row-wise work
+  // by token blocks; a stage starts once the one before it is done.
+  void run_lockstep(const Step& step, int64_t num_tokens);
+  // Stage `stage` of a lockstep step: out = x_tiles_ (columns wide) @ the linear's weight^T (+ bias).
+  void project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, float* out, StageClaims& claims,
+                     int64_t stage) const;
   // Runs `rows` from their layer and stage through the last layer; returns how many it ran to the end. With a
   // share, it may give half of them to an idle thread before a stage: each token's state between stages lives in
   // its own rows of the step's scratch, wherever it runs next.
@@ -123,12 +138,16 @@ class DecodeStack {
   int64_t inter_ = 0;
   std::vector<Layer> layers_;
   int64_t last_step_handoffs_ = 0;
+  bool last_step_lockstep_ = false;
   bool bf16_weights_ = false;  // every layer's (a stack holds one dtype)
+  bool all_amx_ = true;  // every linear of every layer has its AMX weight (the lockstep's condition)
   // Scratch for a step's tokens, reused every step.
   std::vector<float> qkv_, attended_, gate_up_, activated_;
   // bf16 models: the fp32 hidden state and residual stream, and the bf16 query and attention output.
   std::vector<float> hidden_fp32_, residual_fp32_;
   std::vector<c10::BFloat16> query_bf16_, attended_bf16_;
+  // A lockstep step's projection input, in the AMX tiles' order (the stage before each projection writes it).
+  std::vector<uint16_t> x_tiles_;
 };
 
 }  // namespace pagedserve

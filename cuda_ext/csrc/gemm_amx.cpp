@@ -139,6 +139,22 @@ inline void copy_tile_row(uint16_t* target, const uint16_t* row, int64_t first_c
   std::fill(target + count, target + kAmxColumns, uint16_t{0});
 }
 
+// One token block's tiles (its depth tiles one after another, 16 rows each): num_rows rows of x, zero after.
+template <typename In>
+void copy_token_block(const In* rows, int64_t x_stride, int64_t num_rows, int64_t columns, uint16_t* block_tiles) {
+  const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
+  for (int64_t row = 0; row < kAmxRows; ++row) {
+    uint16_t* tile_row = block_tiles + row * kAmxColumns;
+    for (int64_t depth = 0; depth < depth_blocks; ++depth) {
+      if (row < num_rows) {
+        copy_tile_row(tile_row + depth * kTileElements, rows + row * x_stride, depth * kAmxColumns, columns);
+      } else {
+        std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
+      }
+    }
+  }
+}
+
 const uint16_t* bf16_bits(const torch::Tensor& tensor) {
   return reinterpret_cast<const uint16_t*>(tensor.data_ptr<at::BFloat16>());
 }
@@ -162,6 +178,27 @@ bool amx_usable() {
 
 namespace {
 
+// Weight pair `pair` (outputs 32 pair onwards) against token blocks [first_token_block, end_token_block) of x in
+// tile order, two token blocks at a time: each 32 x 32 block's fp32 sums to on_block (as for_each_amx_block hands
+// them). The calling thread's tile config must be loaded.
+template <typename OnBlock>
+void run_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows, int64_t depth_blocks,
+              int64_t pair, int64_t first_token_block, int64_t end_token_block, float* sums, const OnBlock& on_block) {
+  const int64_t block_elements = depth_blocks * kTileElements;
+  const int64_t first_block = 2 * pair;
+  const int64_t num_output_blocks = std::min<int64_t>(2, amx_blocks(rows, kAmxRows) - first_block);
+  const uint16_t* weight_0 = packed + first_block * block_elements;
+  const int64_t first_output = first_block * kAmxRows;
+  const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
+  for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
+    const int64_t num_token_blocks = std::min<int64_t>(2, end_token_block - token_block);
+    kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_tiles + token_block * block_elements, weight_0,
+                                                             weight_0 + block_elements, depth_blocks, sums);
+    const int64_t first_token = token_block * kAmxRows;
+    on_block(sums, first_token, std::min(kBlockSpan, num_tokens - first_token), first_output, num_outputs);
+  }
+}
+
 // Runs x [num_tokens, columns] against the packed weight's first `rows` outputs in 32 x 32 blocks and hands each
 // block's fp32 sums to on_block(sums, first_token, block_tokens, first_output, num_outputs): sums row r (kBlockSpan
 // apart) holds token first_token + r's sums of outputs first_output onwards. Blocks run on the pool threads.
@@ -182,20 +219,13 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
   uint16_t* const x_tiles_out = x_copy.data();
   // On the pool threads too: a prefill chunk's copy (rounding fp32 rows) is a serial stretch between two regions.
   parallel_claims(token_blocks, block_elements, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t token = begin * kAmxRows; token < end * kAmxRows; ++token) {
-      uint16_t* tile_row = x_tiles_out + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns;
-      for (int64_t depth = 0; depth < depth_blocks; ++depth) {
-        if (token < num_tokens) {
-          copy_tile_row(tile_row + depth * kTileElements, x + token * x_stride, depth * kAmxColumns, columns);
-        } else {
-          std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
-        }
-      }
+    for (int64_t block = begin; block < end; ++block) {
+      copy_token_block(x + block * kAmxRows * x_stride, x_stride, std::min(kAmxRows, num_tokens - block * kAmxRows),
+                       columns, x_tiles_out + block * block_elements);
     }
   });
   const uint16_t* x_tiles = x_copy.data();
-  const int64_t output_blocks = amx_blocks(rows, kAmxRows);
-  const int64_t output_pairs = (output_blocks + 1) / 2;
+  const int64_t output_pairs = (amx_blocks(rows, kAmxRows) + 1) / 2;
   const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * kBlockSpan) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
@@ -204,21 +234,9 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
     load_tile_config();
     alignas(64) float sums[kBlockSpan * kBlockSpan];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item % output_pairs;
       const int64_t first_token_block = item / output_pairs * panel_blocks;
-      const int64_t end_token_block = std::min(token_blocks, first_token_block + panel_blocks);
-      const int64_t first_block = 2 * pair;
-      const int64_t num_output_blocks = std::min<int64_t>(2, output_blocks - first_block);
-      const uint16_t* weight_0 = packed + first_block * block_elements;
-      const int64_t first_output = first_block * kAmxRows;
-      const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
-      for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
-        const int64_t num_token_blocks = std::min<int64_t>(2, token_blocks - token_block);
-        kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_tiles + token_block * block_elements, weight_0,
-                                                                 weight_0 + block_elements, depth_blocks, sums);
-        const int64_t first_token = token_block * kAmxRows;
-        on_block(sums, first_token, std::min(kBlockSpan, num_tokens - first_token), first_output, num_outputs);
-      }
+      run_pair(x_tiles, num_tokens, packed, rows, depth_blocks, item % output_pairs, first_token_block,
+               std::min(token_blocks, first_token_block + panel_blocks), sums, on_block);
     }
   });
 }
@@ -229,22 +247,68 @@ inline __mmask16 lanes_mask(int64_t width) {
 
 }  // namespace
 
+namespace {
+
+// A 32 x 32 block of sums (+ bias) into out's rows, each rounded once where Out is bf16.
+template <typename Out>
+void store_linear_block(Out* out, int64_t out_stride, const float* bias, const float* sums, int64_t first_token,
+                        int64_t block_tokens, int64_t first_output, int64_t num_outputs) {
+  for (int64_t half = 0; half * kAmxRows < num_outputs; ++half) {
+    const __mmask16 mask = lanes_mask(std::min(kAmxRows, num_outputs - half * kAmxRows));
+    const int64_t output = first_output + half * kAmxRows;
+    const float* half_bias = bias == nullptr ? nullptr : bias + output;
+    for (int64_t row = 0; row < block_tokens; ++row) {
+      store_row(out + (first_token + row) * out_stride + output, sums + row * kBlockSpan + half * kAmxRows, half_bias,
+                mask);
+    }
+  }
+}
+
+}  // namespace
+
 template <typename In, typename Out>
 void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                        int64_t columns, const float* bias, Out* out, int64_t out_stride) {
   for_each_amx_block(x, x_stride, num_tokens, packed, rows, columns,
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                          int64_t num_outputs) {
-                       for (int64_t half = 0; half * kAmxRows < num_outputs; ++half) {
-                         const __mmask16 mask = lanes_mask(std::min(kAmxRows, num_outputs - half * kAmxRows));
-                         const int64_t output = first_output + half * kAmxRows;
-                         const float* half_bias = bias == nullptr ? nullptr : bias + output;
-                         for (int64_t row = 0; row < block_tokens; ++row) {
-                           store_row(out + (first_token + row) * out_stride + output,
-                                     sums + row * kBlockSpan + half * kAmxRows, half_bias, mask);
-                         }
-                       }
+                       store_linear_block(out, out_stride, bias, sums, first_token, block_tokens, first_output,
+                                          num_outputs);
                      });
+}
+
+int64_t amx_x_tile_elements(int64_t num_tokens, int64_t columns) {
+  return amx_blocks(num_tokens, kAmxRows) * amx_blocks(columns, kAmxColumns) * kTileElements;
+}
+
+int64_t amx_output_pairs(int64_t rows) {
+  return (amx_blocks(rows, kAmxRows) + 1) / 2;
+}
+
+template <typename In>
+void amx_copy_token_row(const In* row, int64_t columns, int64_t token, uint16_t* x_tiles) {
+  const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
+  uint16_t* tile_row = x_tiles + token / kAmxRows * depth_blocks * kTileElements + token % kAmxRows * kAmxColumns;
+  for (int64_t depth = 0; depth < depth_blocks; ++depth) {
+    copy_tile_row(tile_row + depth * kTileElements, row, depth * kAmxColumns, columns);
+  }
+}
+
+template void amx_copy_token_row<float>(const float*, int64_t, int64_t, uint16_t*);
+template void amx_copy_token_row<uint16_t>(const uint16_t*, int64_t, int64_t, uint16_t*);
+
+void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                     int64_t columns, const float* bias, float* out, int64_t out_stride, int64_t pair,
+                     int64_t first_token_block, int64_t end_token_block) {
+  load_tile_config();
+  alignas(64) float sums[kBlockSpan * kBlockSpan];
+  run_pair(x_tiles, num_tokens, packed, rows, amx_blocks(columns, kAmxColumns), pair, first_token_block,
+           end_token_block, sums,
+           [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
+               int64_t num_outputs) {
+             store_linear_block(out, out_stride, bias, block_sums, first_token, block_tokens, first_output,
+                                num_outputs);
+           });
 }
 
 template void amx_linear_kernel<float, float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,

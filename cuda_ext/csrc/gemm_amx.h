@@ -29,6 +29,22 @@ template <typename In, typename Out>
 void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                        int64_t columns, const float* bias, Out* out, int64_t out_stride);
 
+// The pieces of a GEMM whose x rows and weight outputs are shared out by the caller (the decoder stack's lockstep
+// decode steps). x in tile order: token block b (16 rows), its depth blocks' 16 x 32 tiles one after another, at
+// b * amx_blocks(columns, 32) tiles into a buffer of amx_x_tile_elements(num_tokens, columns) bf16 values.
+int64_t amx_x_tile_elements(int64_t num_tokens, int64_t columns);
+// Weight pairs (32 outputs each) of a [rows, columns] weight.
+int64_t amx_output_pairs(int64_t rows);
+// Row `token` of x rounded to bf16 into its place in x_tiles, zero past the last column. Rows past num_tokens in
+// the last block are never written: their sums go nowhere. On the calling thread.
+template <typename In>
+void amx_copy_token_row(const In* row, int64_t columns, int64_t token, uint16_t* x_tiles);
+// out [num_tokens, rows] (out_stride apart) = x @ weight^T (+ bias) for weight pair `pair`'s outputs (32 from
+// 32 * pair) and token blocks [first_token_block, end_token_block) only, x in tile order. On the calling thread.
+void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                     int64_t columns, const float* bias, float* out, int64_t out_stride, int64_t pair,
+                     int64_t first_token_block, int64_t end_token_block);
+
 // Fails unless `packed` is pack_amx_weight of a [rows, columns] weight.
 void check_amx_weight(const torch::Tensor& packed, int64_t rows, int64_t columns, const char* name);
 
