@@ -13,6 +13,7 @@ from tests.test_cpu_decoder_stack import (
     NUM_BLOCKS,
     as_tuple,
     attention_batch,
+    prefilled_decode,
     random_llama,
     run,
     stack_takes_step,
@@ -158,19 +159,7 @@ def test_lockstep_decode_steps_match_one_thread_bit_for_bit(overrides: dict[str,
     exactly (one thread runs every kernel over all rows)."""
     model = bf16_llama("amx", **overrides)
     num_cached = [60 - i for i in range(20)] + [1 + i % 5 for i in range(30)]
-    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(4)).tolist()
-    tables, start = [], 0
-    for cached in num_cached:
-        needed = cached // BLOCK_SIZE + 1
-        tables.append(blocks[start : start + needed])
-        start += needed
-    caches = [
-        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
-        for _ in range(model.num_local_layers)
-    ]
-    for cached, table in zip(num_cached, tables, strict=True):
-        run(model, caches, attention_batch([cached], [0], [table]), None)
-    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+    caches, decode = prefilled_decode(model, num_cached, 4, torch.bfloat16)
 
     def step(num_threads: int) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
         step_caches = [cache.clone() for cache in caches]

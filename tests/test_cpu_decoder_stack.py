@@ -54,11 +54,28 @@ def random_llama(pp_rank: int = 0, pp_size: int = 1, panels: bool = False, **ove
     return model
 
 
-def new_caches(model: LlamaForCausalLM) -> list[torch.Tensor]:
+def new_caches(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [
-        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+        model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, dtype, CPU)
         for _ in range(model.num_local_layers)
     ]
+
+
+def prefilled_decode(
+    model: LlamaForCausalLM, num_cached: list[int], seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], AttentionBatch]:
+    """Each request's num_cached tokens prefilled into new caches (blocks shuffled by `seed`, one spare block
+    each), and the decode step of one new token per request after them."""
+    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, start = [], 0
+    for cached in num_cached:
+        needed = cached // BLOCK_SIZE + 1
+        tables.append(blocks[start : start + needed])
+        start += needed
+    caches = new_caches(model, dtype)
+    for cached, table in zip(num_cached, tables, strict=True):
+        run(model, caches, attention_batch([cached], [0], [table]), None)
+    return caches, attention_batch([1] * len(num_cached), num_cached, tables)
 
 
 def attention_batch(num_new: list[int], num_cached: list[int], block_tables: list[list[int]]) -> AttentionBatch:
@@ -165,17 +182,7 @@ def test_threads_taking_their_own_tokens_through_the_stack_match_one_thread_bit_
     tokens in the second: the second thread finishes first and gets rows handed over. Output and cache equal the
     one-thread stack's exactly."""
     model = random_llama(panels=panels)
-    num_cached = [56 - i for i in range(16)] + [1 + i % 3 for i in range(24)]
-    blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
-    tables, start = [], 0
-    for cached in num_cached:
-        needed = cached // BLOCK_SIZE + 1
-        tables.append(blocks[start : start + needed])
-        start += needed
-    caches = new_caches(model)
-    for cached, table in zip(num_cached, tables, strict=True):
-        run(model, caches, attention_batch([cached], [0], [table]), None)
-    decode = attention_batch([1] * len(num_cached), num_cached, tables)
+    caches, decode = prefilled_decode(model, [56 - i for i in range(16)] + [1 + i % 3 for i in range(24)], 3)
 
     def step(num_threads: int) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         step_caches = [cache.clone() for cache in caches]

@@ -225,7 +225,7 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
     }
   });
   const uint16_t* x_tiles = x_copy.data();
-  const int64_t output_pairs = (amx_blocks(rows, kAmxRows) + 1) / 2;
+  const int64_t output_pairs = amx_output_pairs(rows);
   const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * kBlockSpan) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
@@ -244,10 +244,6 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
 inline __mmask16 lanes_mask(int64_t width) {
   return static_cast<__mmask16>((1u << width) - 1);
 }
-
-}  // namespace
-
-namespace {
 
 // A 32 x 32 block of sums (+ bias) into out's rows, each rounded once where Out is bf16.
 template <typename Out>
