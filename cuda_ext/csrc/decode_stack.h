@@ -101,7 +101,7 @@ class DecodeStack {
   void run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences);
   // A decode step of AMX linears with every thread on each stage: a projection's weight pairs are shared out
   // among the threads (each weight streams from memory once a step, not once per thread), the row-wise work
-  // by token blocks; a stage starts once the one before it is done.
+  // row by row; a stage starts once the one before it is done.
   void run_lockstep(const Step& step, int64_t num_tokens);
   // Stage `stage` of a lockstep step: out = x_tiles_ (columns wide) @ the linear's weight^T (+ bias).
   void project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, float* out, StageClaims& claims,

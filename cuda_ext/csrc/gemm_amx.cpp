@@ -139,16 +139,24 @@ inline void copy_tile_row(uint16_t* target, const uint16_t* row, int64_t first_c
   std::fill(target + count, target + kAmxColumns, uint16_t{0});
 }
 
+// One x row into its row of each depth tile (`tile_row`: its row of the first one), zero past the last column.
+template <typename In>
+void copy_row_tiles(uint16_t* tile_row, const In* row, int64_t columns) {
+  for (int64_t depth = 0; depth < amx_blocks(columns, kAmxColumns); ++depth) {
+    copy_tile_row(tile_row + depth * kTileElements, row, depth * kAmxColumns, columns);
+  }
+}
+
 // One token block's tiles (its depth tiles one after another, 16 rows each): num_rows rows of x, zero after.
 template <typename In>
 void copy_token_block(const In* rows, int64_t x_stride, int64_t num_rows, int64_t columns, uint16_t* block_tiles) {
   const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
   for (int64_t row = 0; row < kAmxRows; ++row) {
     uint16_t* tile_row = block_tiles + row * kAmxColumns;
-    for (int64_t depth = 0; depth < depth_blocks; ++depth) {
-      if (row < num_rows) {
-        copy_tile_row(tile_row + depth * kTileElements, rows + row * x_stride, depth * kAmxColumns, columns);
-      } else {
+    if (row < num_rows) {
+      copy_row_tiles(tile_row, rows + row * x_stride, columns);
+    } else {
+      for (int64_t depth = 0; depth < depth_blocks; ++depth) {
         std::fill_n(tile_row + depth * kTileElements, kAmxColumns, uint16_t{0});
       }
     }
@@ -216,15 +224,14 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
   // one page, where rows a whole x row apart would span several pages per tile.
   thread_local std::vector<uint16_t> x_copy;
   x_copy.resize(token_blocks * block_elements);
-  uint16_t* const x_tiles_out = x_copy.data();
+  uint16_t* const x_tiles = x_copy.data();
   // On the pool threads too: a prefill chunk's copy (rounding fp32 rows) is a serial stretch between two regions.
   parallel_claims(token_blocks, block_elements, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       copy_token_block(x + block * kAmxRows * x_stride, x_stride, std::min(kAmxRows, num_tokens - block * kAmxRows),
-                       columns, x_tiles_out + block * block_elements);
+                       columns, x_tiles + block * block_elements);
     }
   });
-  const uint16_t* x_tiles = x_copy.data();
   const int64_t output_pairs = amx_output_pairs(rows);
   const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * kBlockSpan) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
@@ -283,11 +290,8 @@ int64_t amx_output_pairs(int64_t rows) {
 
 template <typename In>
 void amx_copy_token_row(const In* row, int64_t columns, int64_t token, uint16_t* x_tiles) {
-  const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
-  uint16_t* tile_row = x_tiles + token / kAmxRows * depth_blocks * kTileElements + token % kAmxRows * kAmxColumns;
-  for (int64_t depth = 0; depth < depth_blocks; ++depth) {
-    copy_tile_row(tile_row + depth * kTileElements, row, depth * kAmxColumns, columns);
-  }
+  const int64_t block_elements = amx_blocks(columns, kAmxColumns) * kTileElements;
+  copy_row_tiles(x_tiles + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns, row, columns);
 }
 
 template void amx_copy_token_row<float>(const float*, int64_t, int64_t, uint16_t*);
