@@ -101,7 +101,8 @@ def test_amx_linear_of_a_prefill_chunk_is_the_same_on_any_number_of_threads(
     rows: int, columns: int, num_tokens: int
 ) -> None:
     """A prefill chunk's x is rounded into tile order on the pool threads (token blocks split among them; a partial
-    last block zero-padded): fp32 and bf16 x give the one-thread bits, within the bound."""
+    last block zero-padded): fp32 and bf16 x give the one-thread bits, within the bound. 489 tokens of 1536 columns
+    run as two panels of x (the second partial), 512 of 577 as one."""
     generator = torch.Generator().manual_seed(num_tokens)
     weight = torch.randn(rows, columns, generator=generator).bfloat16()
     packed = OPS.pack_amx_weight(weight)

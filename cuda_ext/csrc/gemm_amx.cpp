@@ -233,7 +233,8 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
     }
   });
   const int64_t output_pairs = amx_output_pairs(rows);
-  const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * kBlockSpan) * 2);
+  // block_elements * 2 bytes a token block: whole pairs of them up to kPanelBytes.
+  const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * 2) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
   const int64_t work_per_item = 2 * block_elements * std::min(panel_blocks, token_blocks);
