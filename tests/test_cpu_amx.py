@@ -46,16 +46,19 @@ def test_amx_linear_matches_exact_products_at_any_shape(rows: int, columns: int,
     for x_in in (x_bf16, x):  # fp32 x is rounded to bf16 as torch rounds it
         results = {}
         for out_dtype in (torch.float32, torch.bfloat16):
-            # A wider output: the kernel writes its own columns only (as into a slice of a fused output).
-            out = torch.full((num_tokens, rows + 4), float("nan"), dtype=out_dtype)
-            OPS.amx_linear(out[:, :rows], x_in, packed)
-            assert out[:, rows:].isnan().all()
-            assert_within_bound(out[:, :rows], x_bf16, weight)
-            results[out_dtype] = out[:, :rows].clone()
+            # A wider output: the kernel writes its own columns only (as into a slice of a fused output), whole
+            # blocks of fp32 sums stored straight from the tiles included.
+            out = torch.full((num_tokens, rows + 6), float("nan"), dtype=out_dtype)
+            own = out[:, 2 : 2 + rows]
+            OPS.amx_linear(own, x_in, packed)
+            assert out[:, :2].isnan().all() and out[:, 2 + rows :].isnan().all()
+            assert_within_bound(own, x_bf16, weight)
+            results[out_dtype] = own.clone()
             # The bias joins the fp32 sums before the one rounding: the bound of [x, 1] @ [W, b]^T.
-            OPS.amx_linear(out[:, :rows], x_in, packed, bias)
+            OPS.amx_linear(own, x_in, packed, bias)
+            assert out[:, :2].isnan().all() and out[:, 2 + rows :].isnan().all()
             x_one = torch.cat([x_bf16, torch.ones(num_tokens, 1, dtype=torch.bfloat16)], dim=1)
-            assert_within_bound(out[:, :rows], x_one, torch.cat([weight, bias.bfloat16()[:, None]], dim=1))
+            assert_within_bound(own, x_one, torch.cat([weight, bias.bfloat16()[:, None]], dim=1))
         assert torch.equal(results[torch.bfloat16], results[torch.float32].bfloat16())
 
 

@@ -65,10 +65,11 @@ void load_tile_config() {
 }
 
 // Tiles: 0-3 the sums (token block 0 or 1 x output block 0 or 1), 4-5 x's two token blocks, 6-7 the two weight
-// blocks. kTokenBlocks and kOutputBlocks (1 or 2) say which of them a block at the edge uses.
+// blocks. kTokenBlocks and kOutputBlocks (1 or 2) say which of them a block at the edge uses. The sums go to `sums`,
+// token rows `sum_stride` floats apart.
 template <int kTokenBlocks, int kOutputBlocks>
 void run_tile_block(const uint16_t* x_tiles, const uint16_t* weight_0, const uint16_t* weight_1, int64_t depth_blocks,
-                    float* sums) {
+                    float* sums, int64_t sum_stride) {
   _tile_zero(0);
   if constexpr (kOutputBlocks == 2) _tile_zero(1);
   if constexpr (kTokenBlocks == 2) {
@@ -95,16 +96,16 @@ void run_tile_block(const uint16_t* x_tiles, const uint16_t* weight_0, const uin
       if constexpr (kOutputBlocks == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t kSumRowBytes = kBlockSpan * sizeof(float);
-  _tile_stored(0, sums, kSumRowBytes);
-  if constexpr (kOutputBlocks == 2) _tile_stored(1, sums + kAmxRows, kSumRowBytes);
+  const int64_t sum_row_bytes = sum_stride * static_cast<int64_t>(sizeof(float));
+  _tile_stored(0, sums, sum_row_bytes);
+  if constexpr (kOutputBlocks == 2) _tile_stored(1, sums + kAmxRows, sum_row_bytes);
   if constexpr (kTokenBlocks == 2) {
-    _tile_stored(2, sums + kAmxRows * kBlockSpan, kSumRowBytes);
-    if constexpr (kOutputBlocks == 2) _tile_stored(3, sums + kAmxRows * kBlockSpan + kAmxRows, kSumRowBytes);
+    _tile_stored(2, sums + kAmxRows * sum_stride, sum_row_bytes);
+    if constexpr (kOutputBlocks == 2) _tile_stored(3, sums + kAmxRows * sum_stride + kAmxRows, sum_row_bytes);
   }
 }
 
-using TileBlock = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, float*);
+using TileBlock = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, float*, int64_t);
 // [token blocks - 1][output blocks - 1]
 constexpr TileBlock kTileBlocks[2][2] = {{&run_tile_block<1, 1>, &run_tile_block<1, 2>},
                                          {&run_tile_block<2, 1>, &run_tile_block<2, 2>}};
@@ -186,33 +187,51 @@ bool amx_usable() {
 
 namespace {
 
+// Where a linear's fp32 sums may be stored straight from the tiles: its output rows (`stride` floats apart), when
+// nothing is added to them and they stay fp32. nullptr: every block goes through on_block.
+struct PlainFloatOut {
+  float* data = nullptr;
+  int64_t stride = 0;
+};
+
 // Weight pair `pair` (outputs 32 pair onwards) against token blocks [first_token_block, end_token_block) of x in
 // tile order, two token blocks at a time: each 32 x 32 block's fp32 sums to on_block (as for_each_amx_block hands
-// them). The calling thread's tile config must be loaded.
+// them), or, where the block is whole, straight into `plain_out` when it has one (no copy through `sums`; a partial
+// block's tiles would store past its rows). The calling thread's tile config must be loaded.
 template <typename OnBlock>
 void run_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows, int64_t depth_blocks,
-              int64_t pair, int64_t first_token_block, int64_t end_token_block, float* sums, const OnBlock& on_block) {
+              int64_t pair, int64_t first_token_block, int64_t end_token_block, PlainFloatOut plain_out, float* sums,
+              const OnBlock& on_block) {
   const int64_t block_elements = depth_blocks * kTileElements;
   const int64_t first_block = 2 * pair;
   const int64_t num_output_blocks = std::min<int64_t>(2, amx_blocks(rows, kAmxRows) - first_block);
   const uint16_t* weight_0 = packed + first_block * block_elements;
   const int64_t first_output = first_block * kAmxRows;
   const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
+  const bool whole_outputs = num_outputs == num_output_blocks * kAmxRows;
   for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
     const int64_t num_token_blocks = std::min<int64_t>(2, end_token_block - token_block);
-    kTileBlocks[num_token_blocks - 1][num_output_blocks - 1](x_tiles + token_block * block_elements, weight_0,
-                                                             weight_0 + block_elements, depth_blocks, sums);
+    const TileBlock tile_block = kTileBlocks[num_token_blocks - 1][num_output_blocks - 1];
     const int64_t first_token = token_block * kAmxRows;
-    on_block(sums, first_token, std::min(kBlockSpan, num_tokens - first_token), first_output, num_outputs);
+    const int64_t block_tokens = std::min(kBlockSpan, num_tokens - first_token);
+    const uint16_t* block_x = x_tiles + token_block * block_elements;
+    if (plain_out.data != nullptr && whole_outputs && block_tokens == num_token_blocks * kAmxRows) {
+      tile_block(block_x, weight_0, weight_0 + block_elements, depth_blocks,
+                 plain_out.data + first_token * plain_out.stride + first_output, plain_out.stride);
+      continue;
+    }
+    tile_block(block_x, weight_0, weight_0 + block_elements, depth_blocks, sums, kBlockSpan);
+    on_block(sums, first_token, block_tokens, first_output, num_outputs);
   }
 }
 
 // Runs x [num_tokens, columns] against the packed weight's first `rows` outputs in 32 x 32 blocks and hands each
 // block's fp32 sums to on_block(sums, first_token, block_tokens, first_output, num_outputs): sums row r (kBlockSpan
-// apart) holds token first_token + r's sums of outputs first_output onwards. Blocks run on the pool threads.
+// apart) holds token first_token + r's sums of outputs first_output onwards. Whole blocks go straight to plain_out
+// where it has rows (see run_pair). Blocks run on the pool threads.
 template <typename In, typename OnBlock>
 void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
-                        int64_t columns, const OnBlock& on_block) {
+                        int64_t columns, PlainFloatOut plain_out, const OnBlock& on_block) {
   if (num_tokens == 0 || rows == 0) {
     return;
   }
@@ -244,7 +263,7 @@ void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first_token_block = item / output_pairs * panel_blocks;
       run_pair(x_tiles, num_tokens, packed, rows, depth_blocks, item % output_pairs, first_token_block,
-               std::min(token_blocks, first_token_block + panel_blocks), sums, on_block);
+               std::min(token_blocks, first_token_block + panel_blocks), plain_out, sums, on_block);
     }
   });
 }
@@ -273,7 +292,14 @@ void store_linear_block(Out* out, int64_t out_stride, const float* bias, const f
 template <typename In, typename Out>
 void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                        int64_t columns, const float* bias, Out* out, int64_t out_stride) {
-  for_each_amx_block(x, x_stride, num_tokens, packed, rows, columns,
+  // fp32 sums with nothing added are the output as they are.
+  PlainFloatOut plain_out;
+  if constexpr (std::is_same_v<Out, float>) {
+    if (bias == nullptr) {
+      plain_out = {out, out_stride};
+    }
+  }
+  for_each_amx_block(x, x_stride, num_tokens, packed, rows, columns, plain_out,
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                          int64_t num_outputs) {
                        store_linear_block(out, out_stride, bias, sums, first_token, block_tokens, first_output,
@@ -304,7 +330,7 @@ void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t
   load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
   run_pair(x_tiles, num_tokens, packed, rows, amx_blocks(columns, kAmxColumns), pair, first_token_block,
-           end_token_block, sums,
+           end_token_block, bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{}, sums,
            [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                int64_t num_outputs) {
              store_linear_block(out, out_stride, bias, block_sums, first_token, block_tokens, first_output,
@@ -363,7 +389,7 @@ void amx_greedy_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
   std::vector<LaneBest> lane_best(num_threads * num_tokens,
                                   LaneBest{_mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(kNoOutput)});
   const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for_each_amx_block(x, x_stride, num_tokens, packed, vocab_size, columns,
+  for_each_amx_block(x, x_stride, num_tokens, packed, vocab_size, columns, PlainFloatOut{},
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                          int64_t num_outputs) {
                        LaneBest* best = lane_best.data() + at::get_thread_num() * num_tokens + first_token;
