@@ -125,6 +125,43 @@ def test_amx_linear_of_a_prefill_chunk_is_the_same_on_any_number_of_threads(
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "inter", "columns", "with_bias", "x_dtype"),
+    # One token; a partial last token block with an odd number of gate blocks (the last depth tile half filled);
+    # SmolLM2's MLP; a prefill chunk past one panel; a single gate block.
+    [
+        (1, 64, 40, False, torch.float32),
+        (50, 48, 577, True, torch.float32),
+        (64, 1536, 576, False, torch.bfloat16),
+        (513, 96, 64, True, torch.bfloat16),
+        (33, 16, 32, False, torch.float32),
+    ],
+)
+def test_gate_up_silu_gives_the_down_projections_tiles_of_silu_and_mul(
+    num_tokens: int, inter: int, columns: int, with_bias: bool, x_dtype: torch.dtype
+) -> None:
+    """SiLU-and-mul in the fused gate_up projection's epilogue: the down projection's input tiles hold exactly the
+    bits of amx_linear, then silu_and_mul, then a rounding to bf16 (what the stack computed in three passes), and
+    zeros in every padded row and column (the tiles start as NaN: everything is written)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(2 * inter, columns, generator=generator).bfloat16()
+    x = torch.randn(num_tokens, columns, generator=generator).to(x_dtype)
+    bias = torch.randn(2 * inter, generator=generator) if with_bias else None
+    packed = OPS.pack_amx_weight(weight)
+    tiles = OPS.amx_gate_up_silu(x, packed, inter, bias)
+    token_blocks, depth_blocks = -(-num_tokens // 16), -(-inter // 32)
+    assert tiles.shape == (token_blocks, depth_blocks, 16, 32) and tiles.dtype == torch.bfloat16
+    rows = tiles.permute(0, 2, 1, 3).reshape(token_blocks * 16, depth_blocks * 32)
+    gate_up = torch.empty(num_tokens, 2 * inter)
+    OPS.amx_linear(gate_up, x, packed, bias)
+    activated = torch.empty(num_tokens, inter)
+    OPS.silu_and_mul(activated, gate_up)
+    assert torch.equal(rows[:num_tokens, :inter], activated.bfloat16())
+    assert (rows[num_tokens:] == 0).all() and (rows[:, inter:] == 0).all()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        OPS.amx_gate_up_silu(x, OPS.pack_amx_weight(weight[: 2 * 36]), 36)
+
+
 def test_bf16_model_runs_its_linears_on_amx_tiles(tiny_qwen2_dir: Path) -> None:
     """On an AMX CPU: our AMX kernel up to its token limit, oneDNN's beyond; decode steps take the stack."""
     from model_executor.layers.linear import CpuAmxLinearMethod

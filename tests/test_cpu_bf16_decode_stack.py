@@ -151,12 +151,22 @@ def test_a_bf16_layer_without_kernel_weights_is_refused() -> None:
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles on this CPU (or build)")
-@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "hidden_size": 40, "intermediate_size": 36}])
+# The MLP's SiLU-and-mul runs in the gate_up projection's epilogue where intermediate_size is a multiple of 16 (96:
+# whole depth tiles of the down projection's input; 48 with biases: its last tile half filled), as a row-wise stage
+# otherwise (36).
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "hidden_size": 40, "intermediate_size": 36},
+        {"intermediate_size": 48, "mlp_bias": True},
+    ],
+)
 def test_lockstep_decode_steps_match_one_thread_bit_for_bit(overrides: dict[str, object]) -> None:
     """With AMX linears and 16 decode rows or more per thread, the threads go through each stage together: each
-    projection's weight pairs shared out, the row-wise work (norms, attention, SiLU) by rows. 50 rows (a partial
-    last token block), contexts long and short, on 2 and 3 threads: output and cache equal the one-thread stack's
-    exactly (one thread runs every kernel over all rows)."""
+    projection's weight pairs shared out, the row-wise work (norms, attention, SiLU where it is not fused) by rows.
+    50 rows (a partial last token block), contexts long and short, on 2 and 3 threads: output and cache equal the
+    one-thread stack's exactly (one thread runs every kernel over all rows)."""
     model = bf16_llama("amx", **overrides)
     num_cached = [60 - i for i in range(20)] + [1 + i % 5 for i in range(30)]
     caches, decode = prefilled_decode(model, num_cached, 4, torch.bfloat16)

@@ -57,6 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("amx_linear", &amx_linear, "x @ weight^T (+ bias) on AMX tiles: bf16 products, fp32 sums",
              pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("amx_gate_up_silu", &amx_gate_up_silu,
+             "silu(gate) * up of x under a packed fused gate_up weight, rounded to bf16, as the next projection's "
+             "tiles [token blocks, depth blocks, 16, 32]",
+             pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("inter"),
+             pybind11::arg("bias") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("amx_greedy_tokens", &amx_greedy_tokens,
              "greedy tokens of x under a packed LM head: the argmax of its bf16-rounded logits, without the logits",
              pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("weight_rows"), pybind11::arg("vocab_size"),

@@ -516,6 +516,13 @@ void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share
   last_step_handoffs_ = share.num_handoffs();
 }
 
+#if defined(PAGEDSERVE_HAS_AMX)
+bool DecodeStack::fuses_mlp(const Layer& layer, const RowShare* share) const {
+  // The tiles hold one run's rows: rows shared out among threads (a share) keep the row-wise SiLU.
+  return share == nullptr && layer.gate_up.amx.defined() && layer.down.amx.defined() && amx_gate_up_fuses(inter_);
+}
+#endif
+
 int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
   const int64_t half = head_dim_ / 2;
   const int64_t q_size = num_heads_ * head_dim_;
@@ -565,6 +572,18 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           });
           break;
         case kGateUp:
+#if defined(PAGEDSERVE_HAS_AMX)
+          if (fuses_mlp(layer, share)) {
+            // SiLU-and-mul in the projection's epilogue, straight into the down projection's tiles.
+            act_tiles_.resize(amx_x_tile_elements(count, inter_));
+            const Linear& linear = layer.gate_up;
+            amx_gate_up_silu_kernel(x, hidden_, count,
+                                    reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()), inter_,
+                                    hidden_, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr,
+                                    act_tiles_.data());
+            break;
+          }
+#endif
           project(layer.gate_up, x, hidden_, count, gate_up);
           for_each_token(count, 2 * inter_, [&](int64_t token) {
             const float* gate = gate_up + token * 2 * inter_;
@@ -572,6 +591,15 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
           });
           break;
         case kDown:
+#if defined(PAGEDSERVE_HAS_AMX)
+          if (fuses_mlp(layer, share)) {
+            const Linear& linear = layer.down;
+            amx_linear_of_tiles(act_tiles_.data(), count,
+                                reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()), hidden_,
+                                inter_, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, x, hidden_);
+            break;
+          }
+#endif
           project(layer.down, activated, inter_, count, x);
       }
     }
@@ -585,6 +613,11 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
   x_tiles_.resize(amx_x_tile_elements(num_tokens, std::max({hidden_, q_size, inter_})));
   uint16_t* const x_tiles = x_tiles_.data();
+  const bool fused_mlp = amx_gate_up_fuses(inter_);  // a stack holds one MLP shape
+  if (fused_mlp) {
+    act_tiles_.resize(amx_x_tile_elements(num_tokens, inter_));
+  }
+  uint16_t* const act_tiles = act_tiles_.data();
   constexpr int64_t kStagesPerLayer = 8;
   const int64_t num_threads = at::get_num_threads();
   StageClaims claims(static_cast<int64_t>(layers_.size()) * kStagesPerLayer, num_threads);
@@ -602,29 +635,35 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
         });
       };
       norm_into_tiles(layer.input_norm);
-      project_pairs(layer.qkv, hidden_, num_tokens, qkv_.data(), claims, stage++);
+      project_pairs(layer.qkv, hidden_, num_tokens, x_tiles, qkv_.data(), claims, stage++);
       claims.run(stage++, num_tokens, [&](int64_t token) {
         c10::BFloat16* attended = attended_bf16_.data() + token * q_size;
         attend<c10::BFloat16>(layer, step, cache, token, 1, qkv_.data() + token * qkv_rows,
                               query_bf16_.data() + token * q_size, attended);
         amx_copy_token_row(reinterpret_cast<const uint16_t*>(attended), q_size, token, x_tiles);
       });
-      project_pairs(layer.o, q_size, num_tokens, step.hidden, claims, stage++);
+      project_pairs(layer.o, q_size, num_tokens, x_tiles, step.hidden, claims, stage++);
       norm_into_tiles(layer.post_norm);
-      project_pairs(layer.gate_up, hidden_, num_tokens, gate_up_.data(), claims, stage++);
-      claims.run(stage++, num_tokens, [&](int64_t token) {
-        const float* gate = gate_up_.data() + token * 2 * inter_;
-        float* activated = activated_.data() + token * inter_;
-        silu_and_mul_row<float>(activated, gate, gate + inter_, inter_);
-        amx_copy_token_row(activated, inter_, token, x_tiles);
-      });
-      project_pairs(layer.down, inter_, num_tokens, step.hidden, claims, stage++);
+      if (fused_mlp) {
+        // SiLU-and-mul in the gate_up projection's epilogue: no fp32 gate_up rows, no row-wise stage.
+        gate_up_silu_pairs(layer.gate_up, num_tokens, claims, stage++);
+        project_pairs(layer.down, inter_, num_tokens, act_tiles, step.hidden, claims, stage++);
+      } else {
+        project_pairs(layer.gate_up, hidden_, num_tokens, x_tiles, gate_up_.data(), claims, stage++);
+        claims.run(stage++, num_tokens, [&](int64_t token) {
+          const float* gate = gate_up_.data() + token * 2 * inter_;
+          float* activated = activated_.data() + token * inter_;
+          silu_and_mul_row<float>(activated, gate, gate + inter_, inter_);
+          amx_copy_token_row(activated, inter_, token, x_tiles);
+        });
+        project_pairs(layer.down, inter_, num_tokens, x_tiles, step.hidden, claims, stage++);
+      }
     }
   });
 }
 
-void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, float* out,
-                                StageClaims& claims, int64_t stage) const {
+void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, const uint16_t* tiles,
+                                float* out, StageClaims& claims, int64_t stage) const {
   const int64_t rows = linear.weight.size(0);
   const uint16_t* packed = reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>());
   const float* bias = linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr;
@@ -633,8 +672,22 @@ void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t n
   const int64_t token_pairs = amx_blocks(amx_blocks(num_tokens, kAmxRows), 2);
   claims.run(stage, amx_output_pairs(rows) * token_pairs, [&](int64_t item) {
     const int64_t first_token_block = item % token_pairs * 2;
-    amx_linear_pair(x_tiles_.data(), num_tokens, packed, rows, columns, bias, out, rows, item / token_pairs,
-                    first_token_block, std::min(amx_blocks(num_tokens, kAmxRows), first_token_block + 2));
+    amx_linear_pair(tiles, num_tokens, packed, rows, columns, bias, out, rows, item / token_pairs, first_token_block,
+                    std::min(amx_blocks(num_tokens, kAmxRows), first_token_block + 2));
+  });
+}
+
+void DecodeStack::gate_up_silu_pairs(const Linear& gate_up, int64_t num_tokens, StageClaims& claims,
+                                     int64_t stage) {
+  const uint16_t* packed = reinterpret_cast<const uint16_t*>(gate_up.amx.data_ptr<at::BFloat16>());
+  const float* bias = gate_up.bias.defined() ? gate_up.bias.data_ptr<float>() : nullptr;
+  // Items (gate block, pair of token blocks), as project_pairs's.
+  const int64_t token_blocks = amx_blocks(num_tokens, kAmxRows);
+  const int64_t token_pairs = amx_blocks(token_blocks, 2);
+  claims.run(stage, inter_ / kAmxRows * token_pairs, [&](int64_t item) {
+    const int64_t first_token_block = item % token_pairs * 2;
+    amx_gate_up_silu_pair(x_tiles_.data(), num_tokens, packed, inter_, hidden_, bias, act_tiles_.data(),
+                          item / token_pairs, first_token_block, std::min(token_blocks, first_token_block + 2));
   });
 }
 #endif

@@ -103,9 +103,15 @@ class DecodeStack {
   // among the threads (each weight streams from memory once a step, not once per thread), the row-wise work
   // row by row; a stage starts once the one before it is done.
   void run_lockstep(const Step& step, int64_t num_tokens);
-  // Stage `stage` of a lockstep step: out = x_tiles_ (columns wide) @ the linear's weight^T (+ bias).
-  void project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, float* out, StageClaims& claims,
-                     int64_t stage) const;
+  // Stage `stage` of a lockstep step: out = tiles (x_tiles_ or act_tiles_, columns wide) @ the linear's
+  // weight^T (+ bias).
+  void project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, const uint16_t* tiles, float* out,
+                     StageClaims& claims, int64_t stage) const;
+  // Stage `stage` of a lockstep step: act_tiles_ = silu(gate) * up of x_tiles_ (hidden_ wide) under gate_up.
+  void gate_up_silu_pairs(const Linear& gate_up, int64_t num_tokens, StageClaims& claims, int64_t stage);
+  // Whether run_rows takes the layer's gate_up, SiLU-and-mul and down through act_tiles_ (AMX weights, inter a
+  // multiple of 16, every row of the step in this run).
+  bool fuses_mlp(const Layer& layer, const RowShare* share) const;
   // Runs `rows` from their layer and stage through the last layer; returns how many it ran to the end. With a
   // share, it may give half of them to an idle thread before a stage: each token's state between stages lives in
   // its own rows of the step's scratch, wherever it runs next.
@@ -146,8 +152,9 @@ class DecodeStack {
   // bf16 models: the fp32 hidden state and residual stream, and the bf16 query and attention output.
   std::vector<float> hidden_fp32_, residual_fp32_;
   std::vector<c10::BFloat16> query_bf16_, attended_bf16_;
-  // A lockstep step's projection input, in the AMX tiles' order (the stage before each projection writes it).
-  std::vector<uint16_t> x_tiles_;
+  // A lockstep step's projection input, in the AMX tiles' order (the stage before each projection writes it), and
+  // the down projection's where the gate_up projection's epilogue writes it (fuses_mlp).
+  std::vector<uint16_t> x_tiles_, act_tiles_;
 };
 
 }  // namespace pagedserve

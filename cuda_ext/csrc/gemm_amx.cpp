@@ -1,6 +1,7 @@
 // bf16 linears on AMX tiles: x is copied once into zero-padded bf16 rows, each thread takes pairs of 16-output
 // weight blocks (per panel of x's tokens), and per pair runs each 32-token block of the panel through TDPBF16PS
-// into four 16 x 16 fp32 tiles.
+// into four 16 x 16 fp32 tiles. A fused gate_up weight pairs each gate block with its up block instead, and the
+// epilogue writes silu(gate) * up straight into the down projection's input tiles.
 #include "gemm_amx.h"
 
 #if defined(PAGEDSERVE_HAS_AMX)
@@ -11,10 +12,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "checks.h"
+#include "elementwise.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -187,6 +190,31 @@ bool amx_usable() {
 
 namespace {
 
+// The two 16-output weight blocks a pair runs, whose sums are a block's columns [0, 16) and [16, 32)
+// (num_blocks 1: `first` alone, a weight's last block), and the outputs they stand for.
+struct WeightPair {
+  const uint16_t* first;
+  const uint16_t* second;
+  int64_t num_blocks;
+  int64_t first_output;
+  int64_t num_outputs;
+};
+
+// A linear's pair `pair`: its output blocks 2 pair and 2 pair + 1, outputs 32 pair onwards.
+inline WeightPair linear_pair(const uint16_t* packed, int64_t rows, int64_t block_elements, int64_t pair) {
+  const int64_t first_block = 2 * pair;
+  const uint16_t* first = packed + first_block * block_elements;
+  return {first, first + block_elements, std::min<int64_t>(2, amx_blocks(rows, kAmxRows) - first_block),
+          first_block * kAmxRows, std::min(kBlockSpan, rows - first_block * kAmxRows)};
+}
+
+// A fused gate_up weight's (inter gate rows, then inter up rows; inter a multiple of 16) gate block `block` and the
+// up block of the same outputs: a block's sum columns [0, 16) are gates, [16, 32) ups, of outputs 16 block onwards.
+inline WeightPair gate_up_pair(const uint16_t* packed, int64_t inter, int64_t block_elements, int64_t block) {
+  return {packed + block * block_elements, packed + (block + inter / kAmxRows) * block_elements, 2, block * kAmxRows,
+          kBlockSpan};
+}
+
 // Where a linear's fp32 sums may be stored straight from the tiles: its output rows (`stride` floats apart), when
 // nothing is added to them and they stay fp32. nullptr: every block goes through on_block.
 struct PlainFloatOut {
@@ -194,78 +222,88 @@ struct PlainFloatOut {
   int64_t stride = 0;
 };
 
-// Weight pair `pair` (outputs 32 pair onwards) against token blocks [first_token_block, end_token_block) of x in
-// tile order, two token blocks at a time: each 32 x 32 block's fp32 sums to on_block (as for_each_amx_block hands
-// them), or, where the block is whole, straight into `plain_out` when it has one (no copy through `sums`; a partial
-// block's tiles would store past its rows). The calling thread's tile config must be loaded.
+// A weight pair against token blocks [first_token_block, end_token_block) of x in tile order, two token blocks at a
+// time: each 32 x 32 block's fp32 sums to on_block (as for_each_tile_block hands them), or, where the block is
+// whole, straight into `plain_out` when it has one (no copy through `sums`; a partial block's tiles would store
+// past its rows). The calling thread's tile config must be loaded.
 template <typename OnBlock>
-void run_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows, int64_t depth_blocks,
-              int64_t pair, int64_t first_token_block, int64_t end_token_block, PlainFloatOut plain_out, float* sums,
+void run_pair(const uint16_t* x_tiles, int64_t num_tokens, int64_t depth_blocks, const WeightPair& weights,
+              int64_t first_token_block, int64_t end_token_block, PlainFloatOut plain_out, float* sums,
               const OnBlock& on_block) {
   const int64_t block_elements = depth_blocks * kTileElements;
-  const int64_t first_block = 2 * pair;
-  const int64_t num_output_blocks = std::min<int64_t>(2, amx_blocks(rows, kAmxRows) - first_block);
-  const uint16_t* weight_0 = packed + first_block * block_elements;
-  const int64_t first_output = first_block * kAmxRows;
-  const int64_t num_outputs = std::min(kBlockSpan, rows - first_output);
-  const bool whole_outputs = num_outputs == num_output_blocks * kAmxRows;
+  const bool whole_outputs = weights.num_outputs == weights.num_blocks * kAmxRows;
   for (int64_t token_block = first_token_block; token_block < end_token_block; token_block += 2) {
     const int64_t num_token_blocks = std::min<int64_t>(2, end_token_block - token_block);
-    const TileBlock tile_block = kTileBlocks[num_token_blocks - 1][num_output_blocks - 1];
+    const TileBlock tile_block = kTileBlocks[num_token_blocks - 1][weights.num_blocks - 1];
     const int64_t first_token = token_block * kAmxRows;
     const int64_t block_tokens = std::min(kBlockSpan, num_tokens - first_token);
     const uint16_t* block_x = x_tiles + token_block * block_elements;
     if (plain_out.data != nullptr && whole_outputs && block_tokens == num_token_blocks * kAmxRows) {
-      tile_block(block_x, weight_0, weight_0 + block_elements, depth_blocks,
-                 plain_out.data + first_token * plain_out.stride + first_output, plain_out.stride);
+      tile_block(block_x, weights.first, weights.second, depth_blocks,
+                 plain_out.data + first_token * plain_out.stride + weights.first_output, plain_out.stride);
       continue;
     }
-    tile_block(block_x, weight_0, weight_0 + block_elements, depth_blocks, sums, kBlockSpan);
-    on_block(sums, first_token, block_tokens, first_output, num_outputs);
+    tile_block(block_x, weights.first, weights.second, depth_blocks, sums, kBlockSpan);
+    on_block(sums, first_token, block_tokens, weights.first_output, weights.num_outputs);
   }
 }
 
-// Runs x [num_tokens, columns] against the packed weight's first `rows` outputs in 32 x 32 blocks and hands each
-// block's fp32 sums to on_block(sums, first_token, block_tokens, first_output, num_outputs): sums row r (kBlockSpan
-// apart) holds token first_token + r's sums of outputs first_output onwards. Whole blocks go straight to plain_out
-// where it has rows (see run_pair). Blocks run on the pool threads.
-template <typename In, typename OnBlock>
-void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t rows,
-                        int64_t columns, PlainFloatOut plain_out, const OnBlock& on_block) {
-  if (num_tokens == 0 || rows == 0) {
+// x [num_tokens, columns] rounded into `x_tiles` in the tiles' order (token block, depth block, 16 rows of 32
+// columns), zero-padded, on the pool threads: each tile is 1 KiB in one page, where rows a whole x row apart would
+// span several pages per tile; and a prefill chunk's copy (rounding fp32 rows) would be a serial stretch between
+// two regions on the calling thread alone.
+template <typename In>
+void copy_to_tiles(const In* x, int64_t x_stride, int64_t num_tokens, int64_t columns, uint16_t* x_tiles) {
+  const int64_t block_elements = amx_blocks(columns, kAmxColumns) * kTileElements;
+  parallel_claims(amx_blocks(num_tokens, kAmxRows), block_elements, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      copy_token_block(x + block * kAmxRows * x_stride, x_stride, std::min(kAmxRows, num_tokens - block * kAmxRows),
+                       columns, x_tiles + block * block_elements);
+    }
+  });
+}
+
+// Runs x (num_tokens rows of `columns`, in tile order) against `num_pairs` weight pairs (pair_of(pair) ->
+// WeightPair) in 32 x 32 blocks and hands each block's fp32 sums to on_block(sums, first_token, block_tokens,
+// first_output, num_outputs): sums row r (kBlockSpan apart) holds token first_token + r's sums of the pair's
+// outputs. Whole blocks go straight to plain_out where it has rows (see run_pair). Blocks run on the pool threads.
+template <typename PairOf, typename OnBlock>
+void for_each_tile_block(const uint16_t* x_tiles, int64_t num_tokens, int64_t columns, int64_t num_pairs,
+                         const PairOf& pair_of, PlainFloatOut plain_out, const OnBlock& on_block) {
+  if (num_tokens == 0 || num_pairs == 0) {
     return;
   }
   const int64_t token_blocks = amx_blocks(num_tokens, kAmxRows);
   const int64_t depth_blocks = amx_blocks(columns, kAmxColumns);
   // A 16-row block of x or of the weight: its depth_blocks tiles one after another.
   const int64_t block_elements = depth_blocks * kTileElements;
-  // x in the tiles' order (token block, depth block, 16 rows of 32 columns), zero-padded: each tile is 1 KiB in
-  // one page, where rows a whole x row apart would span several pages per tile.
-  thread_local std::vector<uint16_t> x_copy;
-  x_copy.resize(token_blocks * block_elements);
-  uint16_t* const x_tiles = x_copy.data();
-  // On the pool threads too: a prefill chunk's copy (rounding fp32 rows) is a serial stretch between two regions.
-  parallel_claims(token_blocks, block_elements, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      copy_token_block(x + block * kAmxRows * x_stride, x_stride, std::min(kAmxRows, num_tokens - block * kAmxRows),
-                       columns, x_tiles + block * block_elements);
-    }
-  });
-  const int64_t output_pairs = amx_output_pairs(rows);
   // block_elements * 2 bytes a token block: whole pairs of them up to kPanelBytes.
   const int64_t panel_blocks = std::max<int64_t>(2, kPanelBytes / (block_elements * 2 * 2) * 2);
   const int64_t num_panels = amx_blocks(token_blocks, panel_blocks);
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
   const int64_t work_per_item = 2 * block_elements * std::min(panel_blocks, token_blocks);
-  parallel_claims(num_panels * output_pairs, work_per_item, 1, [&](int64_t begin, int64_t end) {
+  parallel_claims(num_panels * num_pairs, work_per_item, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     alignas(64) float sums[kBlockSpan * kBlockSpan];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t first_token_block = item / output_pairs * panel_blocks;
-      run_pair(x_tiles, num_tokens, packed, rows, depth_blocks, item % output_pairs, first_token_block,
+      const int64_t first_token_block = item / num_pairs * panel_blocks;
+      run_pair(x_tiles, num_tokens, depth_blocks, pair_of(item % num_pairs), first_token_block,
                std::min(token_blocks, first_token_block + panel_blocks), plain_out, sums, on_block);
     }
   });
+}
+
+// for_each_tile_block over x [num_tokens, columns] in rows (x_stride apart), copied into tile order first.
+template <typename In, typename PairOf, typename OnBlock>
+void for_each_amx_block(const In* x, int64_t x_stride, int64_t num_tokens, int64_t columns, int64_t num_pairs,
+                        const PairOf& pair_of, PlainFloatOut plain_out, const OnBlock& on_block) {
+  if (num_tokens == 0 || num_pairs == 0) {
+    return;
+  }
+  thread_local std::vector<uint16_t> x_copy;
+  x_copy.resize(amx_x_tile_elements(num_tokens, columns));
+  copy_to_tiles(x, x_stride, num_tokens, columns, x_copy.data());
+  for_each_tile_block(x_copy.data(), num_tokens, columns, num_pairs, pair_of, plain_out, on_block);
 }
 
 inline __mmask16 lanes_mask(int64_t width) {
@@ -287,6 +325,43 @@ void store_linear_block(Out* out, int64_t out_stride, const float* bias, const f
   }
 }
 
+// A gate_up pair's block of sums (gates in columns [0, 16), ups in [16, 32), each + its bias): silu(gate) * up of
+// each token, rounded to bf16, into the 16 columns of the activation's tiles that output block `block` owns, the
+// bits silu_and_mul_row and then amx_copy_token_row give. Rows of a partial token block past the step's tokens get
+// zeros, and so do the other 16 columns of the last depth tile when the last block fills only half of it (the down
+// projection's tile loads read both).
+void store_silu_block(uint16_t* act_tiles, int64_t inter, const float* bias, const float* sums, int64_t first_token,
+                      int64_t block_tokens, int64_t block) {
+  const int64_t column = block * kAmxRows;
+  const int64_t act_block_elements = amx_blocks(inter, kAmxColumns) * kTileElements;
+  const int64_t within = column % kAmxColumns;
+  const bool fills_half_tile = within == 0 && column + kAmxRows >= inter;
+  uint16_t* tile = act_tiles + first_token / kAmxRows * act_block_elements + column / kAmxColumns * kTileElements;
+  alignas(64) float gate_up[kBlockSpan];
+  alignas(64) float activated[kAmxRows];
+  const int64_t padded_tokens = amx_blocks(block_tokens, kAmxRows) * kAmxRows;
+  for (int64_t row = 0; row < padded_tokens; ++row) {
+    // Row `row` of the block: token block row / 16, its tile row row % 16.
+    uint16_t* tile_row = tile + row / kAmxRows * act_block_elements + row % kAmxRows * kAmxColumns;
+    if (row < block_tokens) {
+      store_row(gate_up, sums + row * kBlockSpan, bias == nullptr ? nullptr : bias + column, lanes_mask(kAmxRows));
+      store_row(gate_up + kAmxRows, sums + row * kBlockSpan + kAmxRows,
+                bias == nullptr ? nullptr : bias + inter + column, lanes_mask(kAmxRows));
+      silu_and_mul_row<float>(activated, gate_up, gate_up + kAmxRows, kAmxRows);
+      floats_to_bf16(tile_row + within, activated, kAmxRows);
+    } else {
+      std::fill_n(tile_row + within, kAmxRows, uint16_t{0});
+    }
+    if (fills_half_tile) {
+      std::fill_n(tile_row + kAmxRows, kAmxRows, uint16_t{0});
+    }
+  }
+}
+
+int64_t weight_block_elements(int64_t columns) {
+  return amx_blocks(columns, kAmxColumns) * kTileElements;
+}
+
 }  // namespace
 
 template <typename In, typename Out>
@@ -299,7 +374,9 @@ void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
       plain_out = {out, out_stride};
     }
   }
-  for_each_amx_block(x, x_stride, num_tokens, packed, rows, columns, plain_out,
+  const int64_t block_elements = weight_block_elements(columns);
+  for_each_amx_block(x, x_stride, num_tokens, columns, amx_output_pairs(rows),
+                     [&](int64_t pair) { return linear_pair(packed, rows, block_elements, pair); }, plain_out,
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                          int64_t num_outputs) {
                        store_linear_block(out, out_stride, bias, sums, first_token, block_tokens, first_output,
@@ -329,12 +406,60 @@ void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t
                      int64_t first_token_block, int64_t end_token_block) {
   load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
-  run_pair(x_tiles, num_tokens, packed, rows, amx_blocks(columns, kAmxColumns), pair, first_token_block,
-           end_token_block, bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{}, sums,
+  run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
+           linear_pair(packed, rows, weight_block_elements(columns), pair), first_token_block, end_token_block,
+           bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{}, sums,
            [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                int64_t num_outputs) {
              store_linear_block(out, out_stride, bias, block_sums, first_token, block_tokens, first_output,
                                 num_outputs);
+           });
+}
+
+void amx_linear_of_tiles(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                        int64_t columns, const float* bias, float* out, int64_t out_stride) {
+  const int64_t block_elements = weight_block_elements(columns);
+  for_each_tile_block(x_tiles, num_tokens, columns, amx_output_pairs(rows),
+                      [&](int64_t pair) { return linear_pair(packed, rows, block_elements, pair); },
+                      bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{},
+                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
+                          int64_t num_outputs) {
+                        store_linear_block(out, out_stride, bias, sums, first_token, block_tokens, first_output,
+                                           num_outputs);
+                      });
+}
+
+bool amx_gate_up_fuses(int64_t inter) {
+  return inter % kAmxRows == 0;
+}
+
+template <typename In>
+void amx_gate_up_silu_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t inter,
+                             int64_t columns, const float* bias, uint16_t* act_tiles) {
+  const int64_t block_elements = weight_block_elements(columns);
+  for_each_amx_block(x, x_stride, num_tokens, columns, inter / kAmxRows,
+                     [&](int64_t block) { return gate_up_pair(packed, inter, block_elements, block); }, PlainFloatOut{},
+                     [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output, int64_t) {
+                       store_silu_block(act_tiles, inter, bias, sums, first_token, block_tokens,
+                                        first_output / kAmxRows);
+                     });
+}
+
+template void amx_gate_up_silu_kernel<float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                             const float*, uint16_t*);
+template void amx_gate_up_silu_kernel<uint16_t>(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                                const float*, uint16_t*);
+
+void amx_gate_up_silu_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t inter,
+                           int64_t columns, const float* bias, uint16_t* act_tiles, int64_t block,
+                           int64_t first_token_block, int64_t end_token_block) {
+  load_tile_config();
+  alignas(64) float sums[kBlockSpan * kBlockSpan];
+  run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
+           gate_up_pair(packed, inter, weight_block_elements(columns), block), first_token_block, end_token_block,
+           PlainFloatOut{}, sums,
+           [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t, int64_t) {
+             store_silu_block(act_tiles, inter, bias, block_sums, first_token, block_tokens, block);
            });
 }
 
@@ -389,7 +514,10 @@ void amx_greedy_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
   std::vector<LaneBest> lane_best(num_threads * num_tokens,
                                   LaneBest{_mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(kNoOutput)});
   const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for_each_amx_block(x, x_stride, num_tokens, packed, vocab_size, columns, PlainFloatOut{},
+  const int64_t block_elements = weight_block_elements(columns);
+  for_each_amx_block(x, x_stride, num_tokens, columns, amx_output_pairs(vocab_size),
+                     [&](int64_t pair) { return linear_pair(packed, vocab_size, block_elements, pair); },
+                     PlainFloatOut{},
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                          int64_t num_outputs) {
                        LaneBest* best = lane_best.data() + at::get_thread_num() * num_tokens + first_token;
@@ -469,6 +597,37 @@ torch::Tensor amx_greedy_tokens(const torch::Tensor& x, const torch::Tensor& pac
                       bitmask_words, token_ids.data_ptr<int64_t>());
   }
   return token_ids;
+}
+
+torch::Tensor amx_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                               const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(amx_usable(), "this CPU (or process) cannot use AMX tiles");
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x must be a 2-d bf16 or fp32 tensor");
+  TORCH_CHECK(inter > 0 && amx_gate_up_fuses(inter), "inter must be a positive multiple of ", kAmxRows);
+  const int64_t num_tokens = x.size(0), columns = x.size(1);
+  check_amx_weight(packed, 2 * inter, columns, "packed");
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == 2 * inter,
+                "bias must be a contiguous CPU fp32 tensor of ", 2 * inter, " elements");
+    bias_data = bias->data_ptr<float>();
+  }
+  // Filled with NaN: every element the kernel owns (padding included) must be written.
+  torch::Tensor act_tiles = torch::full({amx_blocks(num_tokens, kAmxRows), amx_blocks(inter, kAmxColumns), kAmxRows,
+                                         kAmxColumns},
+                                        std::numeric_limits<float>::quiet_NaN(), torch::kBFloat16);
+  uint16_t* tiles = reinterpret_cast<uint16_t*>(act_tiles.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == torch::kFloat32) {
+    amx_gate_up_silu_kernel(x.data_ptr<float>(), x.stride(0), num_tokens, bf16_bits(packed), inter, columns,
+                            bias_data, tiles);
+  } else {
+    amx_gate_up_silu_kernel(bf16_bits(x), x.stride(0), num_tokens, bf16_bits(packed), inter, columns, bias_data,
+                            tiles);
+  }
+  return act_tiles;
 }
 
 torch::Tensor pack_amx_weight(const torch::Tensor& weight) {

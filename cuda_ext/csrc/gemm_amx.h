@@ -46,6 +46,25 @@ void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t
                      int64_t first_token_block, int64_t end_token_block);
 
 // Fails unless `packed` is pack_amx_weight of a [rows, columns] weight.
+// x [tokens, columns] already in tile order (as amx_copy_token_row leaves it) against the packed weight, on the
+// pool threads: out = x W^T (+ bias).
+void amx_linear_of_tiles(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
+                         int64_t columns, const float* bias, float* out, int64_t out_stride);
+// Whether a fused gate_up weight of `inter` outputs each (gates, then ups) runs amx_gate_up_silu_*: its gate and
+// up blocks must pair up (inter a multiple of 16).
+bool amx_gate_up_fuses(int64_t inter);
+// silu(x gate^T + b) * (x up^T + b) of each token, rounded to bf16, into act_tiles in tile order (the input of a
+// projection of `inter` columns, amx_x_tile_elements(num_tokens, inter) elements): no fp32 gate_up rows written
+// and read back. On the pool threads; x in rows.
+template <typename In>
+void amx_gate_up_silu_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t inter,
+                             int64_t columns, const float* bias, uint16_t* act_tiles);
+// The same for one gate block (outputs 16 block onwards) and token blocks [first, end) of x in tile order, on the
+// calling thread (a lockstep stage's item).
+void amx_gate_up_silu_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t inter,
+                           int64_t columns, const float* bias, uint16_t* act_tiles, int64_t block,
+                           int64_t first_token_block, int64_t end_token_block);
+
 void check_amx_weight(const torch::Tensor& packed, int64_t rows, int64_t columns, const char* name);
 
 // weight [rows, columns] bf16 (or fp32, rounded to bf16) -> bf16 [ceil(rows / 16), ceil(columns / 32), 16, 16, 2]:
@@ -62,6 +81,10 @@ void amx_linear(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor&
 // torch's argmax of amx_linear's bf16 logits), among the tokens its bitmask row allows (int32 words, bit t % 32 of
 // word t / 32; optional); -1 for a row that allows none. packed is pack_amx_weight of a [weight_rows, columns]
 // weight.
+// amx_gate_up_silu_kernel for tests: the activation's tiles, [token blocks, depth blocks, 16, 32] bf16.
+torch::Tensor amx_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                               const std::optional<torch::Tensor>& bias);
+
 torch::Tensor amx_greedy_tokens(const torch::Tensor& x, const torch::Tensor& packed, int64_t weight_rows,
                                 int64_t vocab_size, const std::optional<torch::Tensor>& bitmask);
 #endif
