@@ -618,7 +618,7 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
     act_tiles_.resize(amx_x_tile_elements(num_tokens, inter_));
   }
   uint16_t* const act_tiles = act_tiles_.data();
-  constexpr int64_t kStagesPerLayer = 8;
+  constexpr int64_t kStagesPerLayer = 8;  // at most: 7 where the MLP is fused
   const int64_t num_threads = at::get_num_threads();
   StageClaims claims(static_cast<int64_t>(layers_.size()) * kStagesPerLayer, num_threads);
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
