@@ -136,6 +136,16 @@ void for_each_token(int64_t count, int64_t elements_per_token, const Fn& fn) {
   });
 }
 
+// A linear's packed AMX weight as the kernels read it (bf16 bits).
+inline const uint16_t* amx_bits(const torch::Tensor& amx) {
+  return reinterpret_cast<const uint16_t*>(amx.data_ptr<at::BFloat16>());
+}
+
+// A linear's fp32 bias, or nullptr where it has none.
+inline const float* bias_or_null(const torch::Tensor& bias) {
+  return bias.defined() ? bias.data_ptr<float>() : nullptr;
+}
+
 }  // namespace
 
 // A step's tensors, as pointers: row `token` of each is that token's.
@@ -577,10 +587,8 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
             // SiLU-and-mul in the projection's epilogue, straight into the down projection's tiles.
             act_tiles_.resize(amx_x_tile_elements(count, inter_));
             const Linear& linear = layer.gate_up;
-            amx_gate_up_silu_kernel(x, hidden_, count,
-                                    reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()), inter_,
-                                    hidden_, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr,
-                                    act_tiles_.data());
+            amx_gate_up_silu_kernel(x, hidden_, count, amx_bits(linear.amx), inter_, hidden_,
+                                    bias_or_null(linear.bias), act_tiles_.data());
             break;
           }
 #endif
@@ -594,9 +602,8 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
 #if defined(PAGEDSERVE_HAS_AMX)
           if (fuses_mlp(layer, share)) {
             const Linear& linear = layer.down;
-            amx_linear_of_tiles(act_tiles_.data(), count,
-                                reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()), hidden_,
-                                inter_, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, x, hidden_);
+            amx_linear_of_tiles(act_tiles_.data(), count, amx_bits(linear.amx), hidden_, inter_,
+                                bias_or_null(linear.bias), x, hidden_);
             break;
           }
 #endif
@@ -665,8 +672,8 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
 void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t num_tokens, const uint16_t* tiles,
                                 float* out, StageClaims& claims, int64_t stage) const {
   const int64_t rows = linear.weight.size(0);
-  const uint16_t* packed = reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>());
-  const float* bias = linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr;
+  const uint16_t* packed = amx_bits(linear.amx);
+  const float* bias = bias_or_null(linear.bias);
   // Items (weight pair, pair of token blocks), a pair's next to each other: a thread's share streams its weights
   // once, and the last items of a stage are short.
   const int64_t token_pairs = amx_blocks(amx_blocks(num_tokens, kAmxRows), 2);
@@ -679,8 +686,8 @@ void DecodeStack::project_pairs(const Linear& linear, int64_t columns, int64_t n
 
 void DecodeStack::gate_up_silu_pairs(const Linear& gate_up, int64_t num_tokens, StageClaims& claims,
                                      int64_t stage) {
-  const uint16_t* packed = reinterpret_cast<const uint16_t*>(gate_up.amx.data_ptr<at::BFloat16>());
-  const float* bias = gate_up.bias.defined() ? gate_up.bias.data_ptr<float>() : nullptr;
+  const uint16_t* packed = amx_bits(gate_up.amx);
+  const float* bias = bias_or_null(gate_up.bias);
   // Items (gate block, pair of token blocks), as project_pairs's.
   const int64_t token_blocks = amx_blocks(num_tokens, kAmxRows);
   const int64_t token_pairs = amx_blocks(token_blocks, 2);
@@ -769,8 +776,8 @@ void DecodeStack::project_bf16_weight(const Linear& linear, const In* x, int64_t
   const int64_t rows = linear.weight.size(0);
 #if defined(PAGEDSERVE_HAS_AMX)
   if (linear.amx.defined()) {  // the kernel rounds an fp32 x into its own padded copy
-    amx_linear_kernel(x, columns, num_tokens, reinterpret_cast<const uint16_t*>(linear.amx.data_ptr<at::BFloat16>()),
-                      rows, columns, linear.bias.defined() ? linear.bias.data_ptr<float>() : nullptr, out, rows);
+    amx_linear_kernel(x, columns, num_tokens, amx_bits(linear.amx), rows, columns, bias_or_null(linear.bias), out,
+                      rows);
     return;
   }
 #endif

@@ -35,6 +35,12 @@ constexpr int64_t kBlockSpan = 2 * kAmxRows;
 // Weight tiles are asked for this many depth steps ahead: a tile load waits for memory otherwise.
 constexpr int64_t kPrefetchDepth = 4;
 constexpr int64_t kCacheLine = 64;
+
+// The elements of one 16-row block of x or of a weight, `columns` wide, in tile order: its depth tiles one after
+// another.
+inline int64_t row_block_elements(int64_t columns) {
+  return amx_blocks(columns, kAmxColumns) * kTileElements;
+}
 // x is run in panels of about this many bytes (whole pairs of token blocks): a panel stays in the core's L2 while
 // every weight pair passes over it, where a whole prefill chunk's x would stream from L3 once per pair.
 constexpr int64_t kPanelBytes = 1 << 20;
@@ -222,6 +228,11 @@ struct PlainFloatOut {
   int64_t stride = 0;
 };
 
+// A linear's fp32 output as a PlainFloatOut: its rows where it has no bias, none otherwise.
+inline PlainFloatOut plain_unless_bias(float* out, int64_t out_stride, const float* bias) {
+  return bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{};
+}
+
 // A weight pair against token blocks [first_token_block, end_token_block) of x in tile order, two token blocks at a
 // time: each 32 x 32 block's fp32 sums to on_block (as for_each_tile_block hands them), or, where the block is
 // whole, straight into `plain_out` when it has one (no copy through `sums`; a partial block's tiles would store
@@ -254,7 +265,7 @@ void run_pair(const uint16_t* x_tiles, int64_t num_tokens, int64_t depth_blocks,
 // two regions on the calling thread alone.
 template <typename In>
 void copy_to_tiles(const In* x, int64_t x_stride, int64_t num_tokens, int64_t columns, uint16_t* x_tiles) {
-  const int64_t block_elements = amx_blocks(columns, kAmxColumns) * kTileElements;
+  const int64_t block_elements = row_block_elements(columns);
   parallel_claims(amx_blocks(num_tokens, kAmxRows), block_elements, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       copy_token_block(x + block * kAmxRows * x_stride, x_stride, std::min(kAmxRows, num_tokens - block * kAmxRows),
@@ -333,7 +344,7 @@ void store_linear_block(Out* out, int64_t out_stride, const float* bias, const f
 void store_silu_block(uint16_t* act_tiles, int64_t inter, const float* bias, const float* sums, int64_t first_token,
                       int64_t block_tokens, int64_t block) {
   const int64_t column = block * kAmxRows;
-  const int64_t act_block_elements = amx_blocks(inter, kAmxColumns) * kTileElements;
+  const int64_t act_block_elements = row_block_elements(inter);
   const int64_t within = column % kAmxColumns;
   const bool fills_half_tile = within == 0 && column + kAmxRows >= inter;
   uint16_t* tile = act_tiles + first_token / kAmxRows * act_block_elements + column / kAmxColumns * kTileElements;
@@ -358,10 +369,6 @@ void store_silu_block(uint16_t* act_tiles, int64_t inter, const float* bias, con
   }
 }
 
-int64_t weight_block_elements(int64_t columns) {
-  return amx_blocks(columns, kAmxColumns) * kTileElements;
-}
-
 }  // namespace
 
 template <typename In, typename Out>
@@ -370,11 +377,9 @@ void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
   // fp32 sums with nothing added are the output as they are.
   PlainFloatOut plain_out;
   if constexpr (std::is_same_v<Out, float>) {
-    if (bias == nullptr) {
-      plain_out = {out, out_stride};
-    }
+    plain_out = plain_unless_bias(out, out_stride, bias);
   }
-  const int64_t block_elements = weight_block_elements(columns);
+  const int64_t block_elements = row_block_elements(columns);
   for_each_amx_block(x, x_stride, num_tokens, columns, amx_output_pairs(rows),
                      [&](int64_t pair) { return linear_pair(packed, rows, block_elements, pair); }, plain_out,
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
@@ -385,7 +390,7 @@ void amx_linear_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
 }
 
 int64_t amx_x_tile_elements(int64_t num_tokens, int64_t columns) {
-  return amx_blocks(num_tokens, kAmxRows) * amx_blocks(columns, kAmxColumns) * kTileElements;
+  return amx_blocks(num_tokens, kAmxRows) * row_block_elements(columns);
 }
 
 int64_t amx_output_pairs(int64_t rows) {
@@ -394,7 +399,7 @@ int64_t amx_output_pairs(int64_t rows) {
 
 template <typename In>
 void amx_copy_token_row(const In* row, int64_t columns, int64_t token, uint16_t* x_tiles) {
-  const int64_t block_elements = amx_blocks(columns, kAmxColumns) * kTileElements;
+  const int64_t block_elements = row_block_elements(columns);
   copy_row_tiles(x_tiles + token / kAmxRows * block_elements + token % kAmxRows * kAmxColumns, row, columns);
 }
 
@@ -407,8 +412,8 @@ void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t
   load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
   run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
-           linear_pair(packed, rows, weight_block_elements(columns), pair), first_token_block, end_token_block,
-           bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{}, sums,
+           linear_pair(packed, rows, row_block_elements(columns), pair), first_token_block, end_token_block,
+           plain_unless_bias(out, out_stride, bias), sums,
            [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                int64_t num_outputs) {
              store_linear_block(out, out_stride, bias, block_sums, first_token, block_tokens, first_output,
@@ -418,10 +423,10 @@ void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t
 
 void amx_linear_of_tiles(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                         int64_t columns, const float* bias, float* out, int64_t out_stride) {
-  const int64_t block_elements = weight_block_elements(columns);
+  const int64_t block_elements = row_block_elements(columns);
   for_each_tile_block(x_tiles, num_tokens, columns, amx_output_pairs(rows),
                       [&](int64_t pair) { return linear_pair(packed, rows, block_elements, pair); },
-                      bias == nullptr ? PlainFloatOut{out, out_stride} : PlainFloatOut{},
+                      plain_unless_bias(out, out_stride, bias),
                       [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output,
                           int64_t num_outputs) {
                         store_linear_block(out, out_stride, bias, sums, first_token, block_tokens, first_output,
@@ -436,7 +441,7 @@ bool amx_gate_up_fuses(int64_t inter) {
 template <typename In>
 void amx_gate_up_silu_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t inter,
                              int64_t columns, const float* bias, uint16_t* act_tiles) {
-  const int64_t block_elements = weight_block_elements(columns);
+  const int64_t block_elements = row_block_elements(columns);
   for_each_amx_block(x, x_stride, num_tokens, columns, inter / kAmxRows,
                      [&](int64_t block) { return gate_up_pair(packed, inter, block_elements, block); }, PlainFloatOut{},
                      [&](const float* sums, int64_t first_token, int64_t block_tokens, int64_t first_output, int64_t) {
@@ -456,7 +461,7 @@ void amx_gate_up_silu_pair(const uint16_t* x_tiles, int64_t num_tokens, const ui
   load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
   run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
-           gate_up_pair(packed, inter, weight_block_elements(columns), block), first_token_block, end_token_block,
+           gate_up_pair(packed, inter, row_block_elements(columns), block), first_token_block, end_token_block,
            PlainFloatOut{}, sums,
            [&](const float* block_sums, int64_t first_token, int64_t block_tokens, int64_t, int64_t) {
              store_silu_block(act_tiles, inter, bias, block_sums, first_token, block_tokens, block);
@@ -514,7 +519,7 @@ void amx_greedy_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const 
   std::vector<LaneBest> lane_best(num_threads * num_tokens,
                                   LaneBest{_mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(kNoOutput)});
   const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int64_t block_elements = weight_block_elements(columns);
+  const int64_t block_elements = row_block_elements(columns);
   for_each_amx_block(x, x_stride, num_tokens, columns, amx_output_pairs(vocab_size),
                      [&](int64_t pair) { return linear_pair(packed, vocab_size, block_elements, pair); },
                      PlainFloatOut{},
