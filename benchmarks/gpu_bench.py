@@ -90,26 +90,33 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def shape_config(shape: str, dtype: torch.dtype) -> Any:
+    """HF's LlamaConfig of `shape` in `dtype`, its initializer_range the std the random weights are drawn with."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+        dtype=str(dtype).removeprefix("torch."),
+        # SmolLM2's shape carries its own initializer_range: ours wins, as the weights are drawn with it.
+        **{**SHAPES[shape], "initializer_range": WEIGHT_STD},
+    )
+
+
 def build_random_model(shape: str, directory: Path, device: str, dtype: torch.dtype) -> dict[str, Any]:
     """Write `shape`'s config, seed-0 random weights generated on `device`, and SmolLM2's tokenizer into
     `directory`. Returns the bytes written and the bytes one decode step reads."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from configs.engine_config import DEFAULT_MODEL
     from model_executor.model_fetch import fetch_model
     from model_executor.tiny_model import TOKENIZER_FILES
 
     started = time.perf_counter()
-    config = LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        bos_token_id=1,
-        eos_token_id=2,
-        rms_norm_eps=1e-5,
-        initializer_range=WEIGHT_STD,
-        dtype=str(dtype).removeprefix("torch."),
-        **SHAPES[shape],
-    )
+    config = shape_config(shape, dtype)
     # Names and shapes from HF's own module, on the meta device: no memory, no init.
     with torch.device("meta"):
         names_and_shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check (issue 38): one prepared script for a lent H100/H200, a few minutes of device time.
+# The GPU check (issue 38): one prepared script for a lent H100/H200, under 10 minutes of device time.
 #
 #   bash benchmarks/gpu_check.sh        (from anywhere; logs and results go to $OUT, else /tmp/gpu-check-out)
 #
-# Stages, each under its own timeout and all under one overall budget (GPU_CHECK_BUDGET_S, default 470 s), a
+# Stages, each under its own timeout and all under one overall budget (GPU_CHECK_BUDGET_S, default 560 s), a
 # failed stage logged and passed over: the compiled CUDA tests; offline throughput at 1/64/256 streams for random
 # models of SmolLM2-135M's and Llama-3-8B's shapes against HF generate and the HBM roofline; then the same
 # SmolLM2-shaped model served over HTTP by `pagedserve serve`; then one table. Without CUDA the tiny shape runs on
@@ -18,7 +18,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 1
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
-BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
 PYTHON=${PYTHON:-python3}
 STREAMS=${GPU_CHECK_STREAMS:-1,64,256}
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
@@ -94,8 +94,9 @@ log "device: $DEVICE"
 if [ "$DEVICE" = cuda ]; then
     # Compiled kernels only: the image's NumPy breaks Triton's interpreter, and conftest interprets only without CUDA.
     # The interpreter child test needs a NumPy the image lacks (see the comment above): deselected, not failed.
-    stage tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_graphs.py \
-        tests/test_triton_attention.py tests/test_triton_fused_ops.py tests/test_heap_reuse.py tests/test_lora_ops.py \
+    # Triton attention last: its compiled-kernel cases spend ~100 s on first builds, and a cap should cut only those.
+    stage tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py tests/test_cuda_graphs.py \
+        tests/test_triton_fused_ops.py tests/test_heap_reuse.py tests/test_lora_ops.py tests/test_triton_attention.py \
         --deselect tests/test_triton_attention.py::test_interpreter_tests_in_subprocess
     grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1 | sed 's/^/    /' | tee -a "$SUMMARY"
     stage offline-smollm2 100 "$PYTHON" -m benchmarks.gpu_bench offline --shape smollm2 --device cuda \

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_bench
 
@@ -42,6 +43,15 @@ def test_offline_tiny_on_cpu_prints_a_row_per_stream_count_with_hf_and_roofline(
         assert row["mode"] == "offline" and row["ours_tok_per_s"] > 0 and row["hf_tok_per_s"] > 0
         assert row["hf_tokens_per_stream"] == 4
     assert not list(tmp_path.glob("tiny-random-*")), "the random model's directory is removed"
+
+
+@pytest.mark.parametrize("shape", sorted(gpu_bench.SHAPES))
+def test_every_shape_builds_its_config_with_the_weights_std(shape: str) -> None:
+    config = gpu_bench.shape_config(shape, torch.bfloat16)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
+        assert getattr(config, name) == gpu_bench.SHAPES[shape][name]
+    assert config.initializer_range == gpu_bench.WEIGHT_STD
+    assert config.dtype == torch.bfloat16
 
 
 def test_report_gives_http_rows_the_offline_hf_figure_and_notes_a_skipped_http_run(
