@@ -629,6 +629,7 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
   const int64_t num_threads = at::get_num_threads();
   StageClaims claims(static_cast<int64_t>(layers_.size()) * kStagesPerLayer, num_threads);
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    amx_load_tile_config();  // once per thread and step: the stages' items run nothing else on the tiles
     int64_t stage = 0;
     for (int64_t index = 0; index < static_cast<int64_t>(layers_.size()); ++index) {
       const Layer& layer = layers_[index];

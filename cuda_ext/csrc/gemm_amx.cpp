@@ -62,16 +62,26 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Per call and thread: another library (oneDNN) may have loaded its own shapes on this thread since.
-void load_tile_config() {
+constexpr TileConfig amx_tile_config() {
   TileConfig config{};
   config.palette = 1;
   for (int tile = 0; tile < 8; ++tile) {
     config.bytes_per_row[tile] = 64;
     config.rows[tile] = kAmxRows;
   }
-  _tile_loadconfig(&config);
+  return config;
 }
+
+// In read-only memory: ldtilecfg's read of a stack copy is invisible to the compiler, which may drop its stores.
+constexpr TileConfig kTileConfig = amx_tile_config();
+
+}  // namespace
+
+void amx_load_tile_config() {
+  _tile_loadconfig(&kTileConfig);
+}
+
+namespace {
 
 // Tiles: 0-3 the sums (token block 0 or 1 x output block 0 or 1), 4-5 x's two token blocks, 6-7 the two weight
 // blocks. kTokenBlocks and kOutputBlocks (1 or 2) say which of them a block at the edge uses. The sums go to `sums`,
@@ -294,7 +304,8 @@ void for_each_tile_block(const uint16_t* x_tiles, int64_t num_tokens, int64_t co
   // Items panel by panel: a thread's contiguous share runs each of its panels past consecutive weight pairs.
   const int64_t work_per_item = 2 * block_elements * std::min(panel_blocks, token_blocks);
   parallel_claims(num_panels * num_pairs, work_per_item, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    // Per call: another library (oneDNN) may have loaded its own shapes on this thread since.
+    amx_load_tile_config();
     alignas(64) float sums[kBlockSpan * kBlockSpan];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first_token_block = item / num_pairs * panel_blocks;
@@ -409,7 +420,6 @@ template void amx_copy_token_row<uint16_t>(const uint16_t*, int64_t, int64_t, ui
 void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                      int64_t columns, const float* bias, float* out, int64_t out_stride, int64_t pair,
                      int64_t first_token_block, int64_t end_token_block) {
-  load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
   run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
            linear_pair(packed, rows, row_block_elements(columns), pair), first_token_block, end_token_block,
@@ -458,7 +468,6 @@ template void amx_gate_up_silu_kernel<uint16_t>(const uint16_t*, int64_t, int64_
 void amx_gate_up_silu_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t inter,
                            int64_t columns, const float* bias, uint16_t* act_tiles, int64_t block,
                            int64_t first_token_block, int64_t end_token_block) {
-  load_tile_config();
   alignas(64) float sums[kBlockSpan * kBlockSpan];
   run_pair(x_tiles, num_tokens, amx_blocks(columns, kAmxColumns),
            gate_up_pair(packed, inter, row_block_elements(columns), block), first_token_block, end_token_block,

@@ -39,8 +39,12 @@ int64_t amx_output_pairs(int64_t rows);
 // the last block are never written: their sums go nowhere. On the calling thread.
 template <typename In>
 void amx_copy_token_row(const In* row, int64_t columns, int64_t token, uint16_t* x_tiles);
+// The tile shapes of amx_linear_pair and amx_gate_up_silu_pair, on the calling thread: once per parallel region
+// before them (they do not load it per item; any other AMX user on the thread, oneDNN included, replaces it).
+void amx_load_tile_config();
 // out [num_tokens, rows] (out_stride apart) = x @ weight^T (+ bias) for weight pair `pair`'s outputs (32 from
-// 32 * pair) and token blocks [first_token_block, end_token_block) only, x in tile order. On the calling thread.
+// 32 * pair) and token blocks [first_token_block, end_token_block) only, x in tile order. On the calling thread,
+// its tile config loaded (amx_load_tile_config).
 void amx_linear_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t rows,
                      int64_t columns, const float* bias, float* out, int64_t out_stride, int64_t pair,
                      int64_t first_token_block, int64_t end_token_block);
@@ -60,7 +64,7 @@ template <typename In>
 void amx_gate_up_silu_kernel(const In* x, int64_t x_stride, int64_t num_tokens, const uint16_t* packed, int64_t inter,
                              int64_t columns, const float* bias, uint16_t* act_tiles);
 // The same for one gate block (outputs 16 block onwards) and token blocks [first, end) of x in tile order, on the
-// calling thread (a lockstep stage's item).
+// calling thread (a lockstep stage's item), its tile config loaded (amx_load_tile_config).
 void amx_gate_up_silu_pair(const uint16_t* x_tiles, int64_t num_tokens, const uint16_t* packed, int64_t inter,
                            int64_t columns, const float* bias, uint16_t* act_tiles, int64_t block,
                            int64_t first_token_block, int64_t end_token_block);
