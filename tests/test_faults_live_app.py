@@ -55,20 +55,23 @@ def base(deploy_module_app) -> str:
 
 
 async def disconnecting_client(client: httpx.AsyncClient, base: str, index: int, rng: random.Random) -> str:
-    """One request, dropped after a random delay: while submitting, while queued, or mid-stream."""
+    """One request, dropped after a random delay: while submitting, while queued, or mid-stream. Says "left
+    mid-stream" where a token had come before it left (the engine was running it), "left" otherwise."""
     stream = index % 4 != 0
     body = {**LONG, "prompt": [5, 6, 7 + index % 50], "stream": stream}
     leave_after = rng.uniform(0, 0.3) if index % 5 == 0 else rng.uniform(0.3, 3.0)
+    got_token = False
 
     async def request() -> None:
+        nonlocal got_token
         async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
-            async for _ in response.aiter_raw():
-                pass
+            async for chunk in response.aiter_raw():
+                got_token = got_token or b'"text"' in chunk
 
     try:
         await asyncio.wait_for(request(), leave_after)
     except TimeoutError:
-        return "left"
+        return "left mid-stream" if got_token else "left"
     return "finished"
 
 
@@ -83,11 +86,14 @@ def test_disconnect_storm_frees_every_block_and_the_server_still_serves(base):
             return await asyncio.gather(*(disconnecting_client(client, base, index, rng) for index in range(200)))
 
     outcomes = asyncio.run(storm())
-    assert outcomes.count("left") == 200
+    assert "finished" not in outcomes
     # 1800 tokens each, 16 at a time: only aborts can empty the engine this fast.
     after = wait_until(idle_stats, 20, "engine idle after the storm")
     assert after.num_free_blocks == baseline.num_free_blocks == baseline.num_kv_blocks
-    assert aborted_requests(base) - aborted_before >= 50  # requests really reached the engine first
+    # Every client that left after a token aborted a running request; how many got one depends on the machine's load.
+    left_mid_stream = outcomes.count("left mid-stream")
+    assert left_mid_stream >= 10, outcomes
+    assert aborted_requests(base) - aborted_before >= left_mid_stream
     assert all(completes(base) for _ in range(3))
 
 
