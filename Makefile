@@ -9,6 +9,9 @@ MODEL ?= smollm2-135m-instruct
 # `make soak ARGS="--duration-s 30"`.
 CONFIG = configs/default.yaml
 ARGS =
+# pytest-xdist workers of `make test`, each a pytest session with its own local Ray: much of the suite waits on
+# processes and servers, so two workers on two cores finish sooner. `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup serve test test-fast lint bench-offline soak clean
 
@@ -31,7 +34,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 # The tests that deploy no Serve app, start no process and run no SmolLM2 end to end.
 test-fast: setup lint
