@@ -69,6 +69,10 @@ class CacheConfig(Section):
     """The paged KV cache."""
 
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    # vLLM's --kv-cache-dtype; its fp8 caches are not built here, so they are refused rather than served as auto.
+    kv_cache_dtype: Literal["auto"] = Field(
+        "auto", description="The KV cache's dtype: auto, the model's (bfloat16 halves float32's bytes per token)."
+    )
     kv_cache_memory_gib: float | None = Field(
         None,
         gt=0,

@@ -171,6 +171,12 @@ def test_flat_keyword_arguments_land_in_their_sections():
         EngineConfig(blok_size=32)
 
 
+def test_kv_cache_dtype_takes_auto_and_refuses_fp8_by_its_vllm_name():
+    assert EngineConfig(model="some/dir", kv_cache_dtype="auto").cache.kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="some/dir", kv_cache_dtype="fp8")
+
+
 def test_environment_variables_set_defaults_and_the_config_wins(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
     monkeypatch.setenv("PAGEDSERVE_KEEP_FREED_MEMORY", "0")
