@@ -6,8 +6,9 @@
 # Stages, each under its own timeout and all under one overall budget (GPU_CHECK_BUDGET_S, default 560 s), a
 # failed stage logged and passed over: the compiled CUDA tests; offline throughput at 1/64/256 streams for random
 # models of SmolLM2-135M's and Llama-3-8B's shapes against HF generate and the HBM roofline; then the same
-# SmolLM2-shaped model served over HTTP by `pagedserve serve`; then one table. Without CUDA the tiny shape runs on
-# the CPU instead, and the CUDA-only stages say they were skipped.
+# SmolLM2-shaped model served over HTTP by `pagedserve serve`; the Triton attention kernels against the torch
+# backend (benchmarks/bench_attention.py); then one table. Without CUDA the tiny shape runs on the CPU instead, and
+# the CUDA-only stages say they were skipped.
 #
 # Missing packages travel as wheels in .whl/ (installed to /tmp/site), SmolLM2's config and tokenizer as a
 # pagedserve home in .whl/pagedserve-home (its weights stay behind: every model here has random weights); make
@@ -110,6 +111,9 @@ if [ "$DEVICE" = cuda ]; then
         echo "---- server log ----" >>"$OUT/http-smollm2.log"
         cat "$WORK/server.log" >>"$OUT/http-smollm2.log"
     fi
+    # The Triton attention kernels against the torch backend per layer step: a benchmark, not a timed test.
+    stage attention 60 "$PYTHON" -m benchmarks.bench_attention --dtype bfloat16
+    grep -E "metadata|x ctx|prefill|mixed" "$OUT/attention.log" | sed 's/^/    /' | tee -a "$SUMMARY"
 else
     log "stage tests: skipped: no CUDA on this machine (the CUDA tests need a GPU)"
     log "stage offline-smollm2, http-smollm2, offline-llama3-8b: skipped: no CUDA on this machine"

@@ -12,10 +12,10 @@ ulps) against the torch backend in fp32 on the same rounded inputs; the KV-cache
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -467,32 +467,20 @@ def test_compiled_kernels_match_torch_on_cuda(dtype: torch.dtype, block_size: in
         torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@needs_compiled_cuda
-def test_decode_faster_than_torch_backend_on_cuda() -> None:
-    import triton.testing
-
-    cuda = torch.device("cuda")
-    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    case = make_case([1] * 64, [1024] * 64, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, device=cuda)
-    timings = {}
-    for backend_cls in (TorchAttentionBackend, TritonAttentionBackend):
-        backend = backend_cls(num_heads, num_kv_heads, head_dim)
-        metadata = backend.build_metadata(case.batch, block_size, cuda)
-        kv_cache = case.kv_cache.clone()
-
-        def step(backend=backend, metadata=metadata, kv_cache=kv_cache) -> torch.Tensor:
-            return backend.forward(case.query, case.key, case.value, kv_cache, metadata)
-
-        timings[backend_cls.name] = triton.testing.do_bench(step)
-    assert timings["triton"] < timings["torch"], timings
+@interpreted
+def test_metadata_of_a_large_decode_step_holds_every_request_and_block() -> None:
+    """A 256-request decode step with 2k contexts (its host time: `python -m benchmarks.bench_attention`)."""
+    backend = TritonAttentionBackend(32, 8, 128)
+    tables = [list(range(request * 128, (request + 1) * 128)) for request in range(256)]
+    batch = AttentionBatch([1] * 256, [2048] * 256, tables, list(range(256)), num_decodes=256)
+    metadata = backend.build_metadata(batch, 16, CPU)
+    assert metadata.block_tables.tolist() == tables
+    assert metadata.seq_lens.tolist() == [2048] * 256
 
 
 @interpreted
-def test_metadata_build_is_cheap() -> None:
-    """A 256-request decode step with 2k contexts builds its metadata in well under a second on the host."""
-    backend = TritonAttentionBackend(32, 8, 128)
-    batch = AttentionBatch([1] * 256, [2048] * 256, [list(range(128))] * 256, list(range(256)), num_decodes=256)
-    start = time.perf_counter()
-    metadata = backend.build_metadata(batch, 16, CPU)
-    assert time.perf_counter() - start < 1.0
-    assert metadata.block_tables.shape == (256, 128)
+def test_attention_benchmark_times_the_same_metadata_build() -> None:
+    from benchmarks.bench_attention import metadata_build_ms
+
+    shape = argparse.Namespace(num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=None, block_size=16)
+    assert metadata_build_ms(shape, CPU, repeats=1) > 0
