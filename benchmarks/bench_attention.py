@@ -119,17 +119,24 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, device: torch.dev
     return results
 
 
+def large_decode_batch():
+    """256 decodes of 2,048 keys each (128 blocks of 16 apiece, each request its own): the metadata build timed
+    below, and checked in tests/test_triton_attention.py."""
+    from cuda_ext.attention.base import AttentionBatch
+
+    tables = [list(range(request * 128, (request + 1) * 128)) for request in range(256)]
+    return AttentionBatch([1] * 256, [2048] * 256, tables, list(range(256)), num_decodes=256)
+
+
 def metadata_build_ms(args: argparse.Namespace, device: torch.device, repeats: int = 5) -> float:
-    """Median time of the Triton backend's metadata for 256 decodes of 2,048 keys each, on `device`."""
+    """Median time of the Triton backend's metadata for large_decode_batch(), on `device`."""
     import statistics
     import time
 
-    from cuda_ext.attention.base import AttentionBatch
     from cuda_ext.attention.triton_backend import TritonAttentionBackend
 
     backend = TritonAttentionBackend(args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window)
-    tables = [list(range(request * 128, (request + 1) * 128)) for request in range(256)]
-    batch = AttentionBatch([1] * 256, [2048] * 256, tables, list(range(256)), num_decodes=256)
+    batch = large_decode_batch()
     timings = []
     for _ in range(repeats):
         start = time.perf_counter()
