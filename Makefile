@@ -11,6 +11,8 @@ CONFIG = configs/default.yaml
 ARGS =
 # pytest-xdist workers of `make test`, each a pytest session with its own local Ray: much of the suite waits on
 # processes and servers, so two workers on two cores finish sooner. `make test PYTEST_WORKERS=0` runs in one process.
+# `--dist loadfile` keeps each file on one worker: its module fixtures (deployed apps, servers) start once, and its
+# tests run in file order, as they do serially.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup serve test test-fast lint bench-offline soak clean
@@ -34,7 +36,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The tests that deploy no Serve app, start no process and run no SmolLM2 end to end.
 test-fast: setup lint
