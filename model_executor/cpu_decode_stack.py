@@ -238,6 +238,8 @@ class DecodeStackMixin:
                 "prefill_seq_lens": prefill.seq_lens,
             }
         )
+        # The last stage's last layer runs its attention, projection and MLP on the sampled rows only.
+        last_rows = output_rows if self.parallel.is_last_stage else None
         # Updates hidden_states and residual in place, through every layer of this stage.
         self.decode_stack.forward(
             hidden_states,
@@ -251,8 +253,13 @@ class DecodeStackMixin:
             sin.view(num_tokens, -1),
             attn_metadata.decodes_share_sequences,
             **chunks,
+            output_rows=last_rows,
         )
-        return self.stage_output(hidden_states, residual, output_rows)
+        if last_rows is not None:
+            # The stack left output row i in row i.
+            num_outputs = last_rows.shape[0]
+            return self.stage_output(hidden_states[:num_outputs], residual[:num_outputs])
+        return self.stage_output(hidden_states, residual)
 
 
 @functools.cache

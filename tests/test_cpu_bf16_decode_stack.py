@@ -189,3 +189,42 @@ def test_lockstep_decode_steps_match_one_thread_bit_for_bit(overrides: dict[str,
         torch.testing.assert_close(output, one_output, rtol=0, atol=0)
         for cache, one_cache in zip(step_caches, one_caches, strict=True):
             torch.testing.assert_close(cache, one_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_bf16_mixed_step_asked_for_its_sampled_rows_gives_the_full_steps_rows(kernel: str) -> None:
+    """A bf16 mixed step (two decodes, a 7-token prompt, a 5-token chunk after a cached prefix) through the stack,
+    asked for the rows that sample: its last layer attends those rows alone, the chunks' last rows as decodes.
+    The caches are the full step's bits, the decode rows its bits too, and a chunk's last row differs from the full
+    step's by no more than the two attention kernels' bf16 rounding of its output carries."""
+    model = bf16_llama(kernel)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
+    num_new, num_cached = [1, 1, 7, 5], [3, 6, 0, 2]
+    assert stack_takes_step(model, num_new, num_cached) == model.stack_runs_prefill
+    sampled = [0, 1, 8, 13]  # the decodes and each chunk's last row
+    positions = torch.tensor([p for n, c in zip(num_new, num_cached, strict=True) for p in range(c, c + n)])
+    outputs, caches = [], []
+    for rows in (None, torch.tensor(sampled, dtype=torch.int64)):
+        step_caches = [
+            model.attention_backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
+            for _ in range(model.num_local_layers)
+        ]
+        for cached, table in zip(num_cached, tables, strict=True):
+            if cached:
+                run(model, step_caches, attention_batch([cached], [0], [table]), None)
+        metadata = model.attention_backend.build_metadata(
+            attention_batch(num_new, num_cached, tables), BLOCK_SIZE, torch.device("cpu")
+        )
+        with torch.inference_mode():
+            (output,) = as_tuple(
+                model((positions * 7 + 3) % model.config.vocab_size, positions, step_caches, metadata, None, rows)
+            )
+        outputs.append(output.float())
+        caches.append(step_caches)
+    full, selected = outputs
+    for full_cache, selected_cache in zip(*caches, strict=True):
+        assert torch.equal(selected_cache, full_cache)
+    assert selected.shape == (len(sampled), model.config.hidden_size)
+    assert torch.equal(selected[:2], full[:2])
+    # One bf16 step (2^-8 of the value) in an attention output element moves the final norm's row by about that.
+    torch.testing.assert_close(selected[2:], full[sampled[2:]], rtol=2**-7, atol=2**-7 * full.abs().max().item())

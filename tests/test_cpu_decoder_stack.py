@@ -442,15 +442,22 @@ def test_no_stack_for_bf16_weights_without_amx_tiles() -> None:
     assert not model.prepare_decode_stack()
 
 
-@pytest.mark.parametrize(("panels", "pp_rank", "pp_size"), [(False, 0, 1), (True, 0, 1), (True, 1, 2), (True, 0, 2)])
-@pytest.mark.parametrize("output_rows", [[2, 9, 10], [9], []])
+@pytest.mark.parametrize(
+    ("panels", "pp_rank", "pp_size", "window"),
+    [(False, 0, 1, 0), (True, 0, 1, 0), (True, 0, 1, 4), (True, 1, 2, 0), (True, 0, 2, 0)],
+)
+@pytest.mark.parametrize("output_rows", [[2, 9, 10], [0, 1, 8, 13], [9], []])
 def test_output_rows_skip_the_last_layer_for_the_others_and_cache_every_row(
-    panels: bool, pp_rank: int, pp_size: int, output_rows: list[int]
+    panels: bool, pp_rank: int, pp_size: int, window: int, output_rows: list[int]
 ) -> None:
-    """A mixed step (two decodes, a 7-token prompt and a 5-token chunk of another) asked for the
-    rows that sample: those rows' hidden states equal the full step's, every row's keys and values are cached all
-    the same, and a first pipeline stage hands every row on."""
-    model = random_llama(pp_rank=pp_rank, pp_size=pp_size, panels=panels)
+    """A mixed step (two decodes, a 7-token prompt and a 5-token chunk of another) through the C++ stack, asked for
+    the rows that sample (or rows inside a chunk, whose last layer attends as a decode at their position, within
+    the sliding window if there is one): those rows' hidden states equal the full step's, every row's keys and
+    values are cached all the same, and a first pipeline stage hands every row on."""
+    model = random_llama(
+        pp_rank=pp_rank, pp_size=pp_size, panels=panels, **({"sliding_window": window} if window else {})
+    )
+    assert stack_takes_step(model, [1, 1, 7, 5], [3, 6, 0, 2])
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
     num_new, num_cached = [1, 1, 7, 5], [3, 6, 0, 2]
     hidden = torch.randn(sum(num_new), model.config.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -94,7 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            pybind11::arg("rows_share_sequences"), pybind11::kw_only(),
            pybind11::arg("prefill_block_tables") = pybind11::none(),
            pybind11::arg("prefill_query_starts") = pybind11::none(),
-           pybind11::arg("prefill_seq_lens") = pybind11::none(),
+           pybind11::arg("prefill_seq_lens") = pybind11::none(), pybind11::arg("output_rows") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("last_step_handoffs", &DecodeStack::last_step_handoffs)
       .def_property_readonly("last_step_lockstep", &DecodeStack::last_step_lockstep);

@@ -166,6 +166,7 @@ struct DecodeStack::Step {
   const int32_t* prefill_query_starts;
   const int32_t* prefill_seq_lens;
   int64_t num_chunks;
+  int64_t num_layers;  // run_step takes the rows through layers [0, num_layers)
 };
 
 struct DecodeStack::Rows {
@@ -382,7 +383,8 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
                           const torch::Tensor& cos, const torch::Tensor& sin, bool rows_share_sequences,
                           const std::optional<torch::Tensor>& prefill_block_tables,
                           const std::optional<torch::Tensor>& prefill_query_starts,
-                          const std::optional<torch::Tensor>& prefill_seq_lens) {
+                          const std::optional<torch::Tensor>& prefill_seq_lens,
+                          const std::optional<torch::Tensor>& output_rows) {
   TORCH_CHECK(!layers_.empty(), "the stack has no layers");
   const int64_t num_tokens = hidden.size(0);
   const torch::ScalarType dtype = bf16_weights_ ? torch::kBFloat16 : torch::kFloat32;
@@ -442,6 +444,21 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
   } else {
     TORCH_CHECK(num_decodes == num_tokens, "without prefill chunks every row is a decode");
   }
+  const int64_t* output_row_of = nullptr;
+  int64_t num_outputs = num_tokens;
+  if (output_rows.has_value() && output_rows->defined()) {
+    TORCH_CHECK(output_rows->scalar_type() == torch::kInt64 && output_rows->is_contiguous() && output_rows->dim() == 1,
+                "output_rows must be contiguous int64 [outputs]");
+    const int64_t* rows = output_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < output_rows->numel(); ++i) {
+      TORCH_CHECK(rows[i] >= 0 && rows[i] < num_tokens && (i == 0 || rows[i] > rows[i - 1]),
+                  "output_rows must be ascending rows of the step");
+    }
+    if (output_rows->numel() < num_tokens) {  // every row asked for: the plain step
+      output_row_of = rows;
+      num_outputs = output_rows->numel();
+    }
+  }
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
   qkv_.resize(num_tokens * qkv_rows);
@@ -484,14 +501,93 @@ void DecodeStack::forward(torch::Tensor& hidden, torch::Tensor& residual, bool h
                   has_chunks ? prefill_block_tables->size(1) : 0,
                   has_chunks ? prefill_query_starts->data_ptr<int32_t>() : nullptr,
                   has_chunks ? prefill_seq_lens->data_ptr<int32_t>() : nullptr,
-                  has_chunks ? prefill_seq_lens->numel() : 0};
-  // A chunk's rows read each other's keys, as drafts of one sequence do.
-  run_step(step, num_tokens, rows_share_sequences || has_chunks);
+                  has_chunks ? prefill_seq_lens->numel() : 0,
+                  static_cast<int64_t>(layers_.size()) - (output_row_of != nullptr ? 1 : 0)};
+  if (step.num_layers > 0) {
+    // A chunk's rows read each other's keys, as drafts of one sequence do.
+    run_step(step, num_tokens, rows_share_sequences || has_chunks);
+  }
+  if (output_row_of != nullptr) {
+    run_last_layer_on_rows(step, num_tokens, output_row_of, num_outputs);
+  }
   if (bf16_weights_) {
     // One rounding of each into the caller's bf16 tensors, after the last layer.
-    round_to_bf16(hidden.data_ptr<c10::BFloat16>(), hidden_rows, num_tokens * hidden_);
-    round_to_bf16(residual.data_ptr<c10::BFloat16>(), residual_rows, num_tokens * hidden_);
+    round_to_bf16(hidden.data_ptr<c10::BFloat16>(), hidden_rows, num_outputs * hidden_);
+    round_to_bf16(residual.data_ptr<c10::BFloat16>(), residual_rows, num_outputs * hidden_);
   }
+}
+
+void DecodeStack::run_last_layer_on_rows(const Step& step, int64_t num_tokens, const int64_t* output_rows,
+                                         int64_t num_outputs) {
+  const int64_t last = static_cast<int64_t>(layers_.size()) - 1;
+  const Layer& layer = layers_[last];
+  const torch::Tensor& cache = (*step.kv_caches)[last];
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
+  float* const qkv = qkv_.data();
+  for_each_token(num_tokens, hidden_, [&](int64_t token) {
+    add_rms_norm_row<float>(step.hidden + token * hidden_, step.residual + token * hidden_,
+                            layer.input_norm.data_ptr<float>(), hidden_, eps_);
+  });
+  project(layer.qkv, step.hidden, hidden_, num_tokens, qkv);
+  if (bf16_weights_) {
+    rotate_and_cache<c10::BFloat16>(layer, step, cache, 0, num_tokens, qkv, nullptr);
+  } else {
+    rotate_and_cache<float>(layer, step, cache, 0, num_tokens, qkv, nullptr);
+  }
+  if (num_outputs == 0) {
+    return;  // nothing reads this step's output: its keys and values were all it had to leave
+  }
+  // Each output row attends as one query at its own position: a decode over its sequence's keys so far, whose
+  // block table and key count come from its decode row or its chunk.
+  const int64_t width = std::max(step.width, step.prefill_width);
+  std::vector<int32_t> tables(num_outputs * width, 0), seq_lens(num_outputs);
+  int64_t chunk = 0;
+  for (int64_t i = 0; i < num_outputs; ++i) {
+    const int64_t row = output_rows[i];
+    if (row < step.num_decodes) {
+      std::copy_n(step.block_tables + row * step.width, step.width, tables.data() + i * width);
+      seq_lens[i] = step.seq_lens[row];
+      continue;
+    }
+    const int64_t chunk_row = row - step.num_decodes;
+    while (step.prefill_query_starts[chunk + 1] <= chunk_row) {
+      ++chunk;
+    }
+    std::copy_n(step.prefill_block_tables + chunk * step.prefill_width, step.prefill_width,
+                tables.data() + i * width);
+    const int64_t later_rows = step.prefill_query_starts[chunk + 1] - 1 - chunk_row;  // the chunk's keys after it
+    seq_lens[i] = static_cast<int32_t>(step.prefill_seq_lens[chunk] - later_rows);
+  }
+  // Output row i to row i: rows only move forward (output_rows ascend), so no row is overwritten before it moves.
+  for (int64_t i = 0; i < num_outputs; ++i) {
+    if (output_rows[i] != i) {
+      std::memcpy(qkv + i * qkv_rows, qkv + output_rows[i] * qkv_rows, q_size * sizeof(float));
+      std::memcpy(step.residual + i * hidden_, step.residual + output_rows[i] * hidden_, hidden_ * sizeof(float));
+    }
+  }
+  if (bf16_weights_) {
+    using bf16 = c10::BFloat16;
+    for (int64_t i = 0; i < num_outputs; ++i) {
+      round_to_bf16(query_bf16_.data() + i * q_size, qkv + i * qkv_rows, q_size);
+    }
+    bf16* key_cache = cache.data_ptr<bf16>();
+    const PagedCache<bf16> paged{key_cache, key_cache + cache.stride(0), tables.data(), width, step.block_size,
+                                 cache.stride(1), cache.stride(2)};
+    decode_attention_kernel<bf16>(query_bf16_.data(), paged, attended_bf16_.data(), seq_lens.data(), num_outputs,
+                                  num_heads_, num_kv_heads_, head_dim_, q_size, q_size, scale_, layer.sliding_window,
+                                  /*soft_cap=*/0.f);
+  } else {
+    float* key_cache = cache.data_ptr<float>();
+    const PagedCache<float> paged{key_cache, key_cache + cache.stride(0), tables.data(), width, step.block_size,
+                                  cache.stride(1), cache.stride(2)};
+    decode_attention_kernel<float>(qkv, paged, attended_.data(), seq_lens.data(), num_outputs, num_heads_,
+                                   num_kv_heads_, head_dim_, qkv_rows, q_size, scale_, layer.sliding_window,
+                                   /*soft_cap=*/0.f);
+  }
+  Step whole = step;
+  whole.num_layers = last + 1;
+  run_rows(whole, Rows{0, num_outputs, last, kOutputAndNorm}, nullptr);
 }
 
 void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences) {
@@ -538,7 +634,7 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * kv_size;
-  for (; rows.layer < static_cast<int64_t>(layers_.size()); ++rows.layer, rows.stage = 0) {
+  for (; rows.layer < step.num_layers; ++rows.layer, rows.stage = 0) {
     const Layer& layer = layers_[rows.layer];
     const torch::Tensor& cache = (*step.kv_caches)[rows.layer];
     for (; rows.stage < kNumStages; ++rows.stage) {
@@ -631,7 +727,7 @@ void DecodeStack::run_lockstep(const Step& step, int64_t num_tokens) {
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     amx_load_tile_config();  // once per thread and step: the stages' items run nothing else on the tiles
     int64_t stage = 0;
-    for (int64_t index = 0; index < static_cast<int64_t>(layers_.size()); ++index) {
+    for (int64_t index = 0; index < step.num_layers; ++index) {
       const Layer& layer = layers_[index];
       const torch::Tensor& cache = (*step.kv_caches)[index];
       // Each row-wise stage leaves the next projection's input in x_tiles (the projection before it is done).
@@ -716,9 +812,8 @@ void DecodeStack::norm_and_rotate(const Layer& layer, const Step& step, int64_t 
 }
 
 template <typename scalar_t>
-void DecodeStack::attend(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
-                         int64_t count, float* qkv, scalar_t* query, scalar_t* attended) const {
-  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+void DecodeStack::rotate_and_cache(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
+                                   int64_t count, float* qkv, scalar_t* query) const {
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * kv_size;
@@ -728,9 +823,11 @@ void DecodeStack::attend(const Layer& layer, const Step& step, const torch::Tens
     float* token_qkv = qkv + token * qkv_rows;
     norm_and_rotate(layer, step, begin + token, token_qkv);
     const int64_t slot = step.slots[begin + token];
-    if constexpr (kBf16) {
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       // Rounded to bf16 once here, as the layer-by-layer path's bf16 query, keys and values are.
-      round_to_bf16(query + token * q_size, token_qkv, q_size);
+      if (query != nullptr) {
+        round_to_bf16(query + token * q_size, token_qkv, q_size);
+      }
       if (slot >= 0) {  // -1: a padding row of a bucketed step, which writes nothing
         round_to_bf16(key_cache + slot * cache.stride(2), token_qkv + q_size, kv_size);
         round_to_bf16(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size);
@@ -740,6 +837,18 @@ void DecodeStack::attend(const Layer& layer, const Step& step, const torch::Tens
       std::memcpy(value_cache + slot * cache.stride(2), token_qkv + q_size + kv_size, kv_size * sizeof(float));
     }
   });
+}
+
+template <typename scalar_t>
+void DecodeStack::attend(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
+                         int64_t count, float* qkv, scalar_t* query, scalar_t* attended) const {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const int64_t q_size = num_heads_ * head_dim_;
+  const int64_t kv_size = num_kv_heads_ * head_dim_;
+  const int64_t qkv_rows = q_size + 2 * kv_size;
+  scalar_t* key_cache = cache.data_ptr<scalar_t>();
+  scalar_t* value_cache = key_cache + cache.stride(0);
+  rotate_and_cache<scalar_t>(layer, step, cache, begin, count, qkv, query);
   // fp32 attends straight from the projections' rows; bf16 from its rounded queries.
   const scalar_t* queries = nullptr;
   int64_t query_stride = 0;

@@ -57,13 +57,17 @@ class DecodeStack {
   // chunks: chunk i's tokens are rows decodes + prefill_query_starts[i] .. decodes + prefill_query_starts[i + 1]
   // ([chunks + 1] int32), its table prefill_block_tables[i] ([chunks, width] int32) and prefill_seq_lens[i] its
   // cached keys plus its own ([chunks] int32). A step with chunks runs each kernel over all rows at once.
+  // output_rows (int64 [outputs], ascending; None: every row): the rows whose last-layer output the caller reads.
+  // The last layer then writes every row's keys and values but attends, projects and runs its MLP on those rows
+  // alone, and leaves row i's output (hidden and residual) in row i, i < outputs.
   void forward(torch::Tensor& hidden, torch::Tensor& residual, bool has_residual,
                const std::vector<torch::Tensor>& kv_caches, const std::optional<torch::Tensor>& block_tables,
                const std::optional<torch::Tensor>& seq_lens, const torch::Tensor& slots, const torch::Tensor& cos,
                const torch::Tensor& sin, bool rows_share_sequences,
                const std::optional<torch::Tensor>& prefill_block_tables,
                const std::optional<torch::Tensor>& prefill_query_starts,
-               const std::optional<torch::Tensor>& prefill_seq_lens);
+               const std::optional<torch::Tensor>& prefill_seq_lens,
+               const std::optional<torch::Tensor>& output_rows);
 
   // Token ranges one thread handed to another in the last forward (0 unless the grouped path ran).
   int64_t last_step_handoffs() const {
@@ -97,7 +101,12 @@ class DecodeStack {
   // The work items of a lockstep step's stages, claimed by whichever threads run it.
   class StageClaims;
 
-  // Every token of the step through every layer, on one thread's rows or on each thread's share.
+  // The last layer for a step whose caller reads `num_outputs` of its rows (output_rows, ascending): every row's
+  // norm, QKV projection and KV-cache write; then the output rows, moved to the front, alone attend (each as one
+  // query against its sequence's keys so far) and run the rest of the layer.
+  void run_last_layer_on_rows(const Step& step, int64_t num_tokens, const int64_t* output_rows,
+                              int64_t num_outputs);
+  // Every token of the step through layers [0, step.num_layers), on one thread's rows or on each thread's share.
   void run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences);
   // A decode step of AMX linears with every thread on each stage: a projection's weight pairs are shared out
   // among the threads (each weight streams from memory once a step, not once per thread), the row-wise work
@@ -130,6 +139,11 @@ class DecodeStack {
   // Row `row` of the step's q and k heads in `token_qkv` (fp32), in place: the per-head norms, then rotary.
   void norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const;
 
+  // Rotary and the KV-cache write for tokens [begin, begin + count) of the step, qkv their fp32 projections; bf16
+  // also rounds each query into `query` unless it is nullptr.
+  template <typename scalar_t>
+  void rotate_and_cache(const Layer& layer, const Step& step, const torch::Tensor& cache, int64_t begin,
+                        int64_t count, float* qkv, scalar_t* query) const;
   // Rotary, the KV-cache write and attention for tokens [begin, begin + count) of the step: qkv their fp32
   // projections, attended their outputs. scalar_t is the cache's: bf16 rounds each query into `query` first (fp32
   // attends straight from qkv, `query` unused).
