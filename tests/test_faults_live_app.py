@@ -55,24 +55,30 @@ def base(deploy_module_app) -> str:
 
 
 async def disconnecting_client(client: httpx.AsyncClient, base: str, index: int, rng: random.Random) -> str:
-    """One request, dropped after a random delay: while submitting, while queued, or mid-stream. Says "left
-    mid-stream" where a token had come before it left (the engine was running it), "left" otherwise."""
+    """One request, dropped while submitting, while queued, or mid-stream. Non-streaming requests and one streaming
+    request in five leave after a random delay, and say "left mid-stream" where a token had come first (the engine
+    was running it), "left" otherwise. The other streaming requests leave right after their k-th token (k random):
+    "left after tokens", whatever the machine's speed."""
     stream = index % 4 != 0
     body = {**LONG, "prompt": [5, 6, 7 + index % 50], "stream": stream}
-    leave_after = rng.uniform(0, 0.3) if index % 5 == 0 else rng.uniform(0.3, 3.0)
-    got_token = False
+    leave_after_tokens = rng.randint(1, 20) if stream and index % 5 != 0 else None
+    leave_after_s = rng.uniform(0, 0.3) if index % 5 == 0 else rng.uniform(0.3, 3.0)
+    num_tokens = 0
 
-    async def request() -> None:
-        nonlocal got_token
+    async def request() -> str:
+        nonlocal num_tokens
         async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
             async for chunk in response.aiter_raw():
-                got_token = got_token or b'"text"' in chunk
+                num_tokens += chunk.count(b'"text"')
+                if leave_after_tokens is not None and num_tokens >= leave_after_tokens:
+                    return "left after tokens"  # leaving the block closes the connection
+        return "finished"
 
     try:
-        await asyncio.wait_for(request(), leave_after)
+        # The token-counting clients wait their turn behind the 16 running requests: they get a long bound.
+        return await asyncio.wait_for(request(), 120 if leave_after_tokens is not None else leave_after_s)
     except TimeoutError:
-        return "left mid-stream" if got_token else "left"
-    return "finished"
+        return "left mid-stream" if num_tokens else "left"
 
 
 def test_disconnect_storm_frees_every_block_and_the_server_still_serves(base):
@@ -90,10 +96,10 @@ def test_disconnect_storm_frees_every_block_and_the_server_still_serves(base):
     # 1800 tokens each, 16 at a time: only aborts can empty the engine this fast.
     after = wait_until(idle_stats, 20, "engine idle after the storm")
     assert after.num_free_blocks == baseline.num_free_blocks == baseline.num_kv_blocks
-    # Every client that left after a token aborted a running request; how many got one depends on the machine's load.
-    left_mid_stream = outcomes.count("left mid-stream")
-    assert left_mid_stream >= 10, outcomes
-    assert aborted_requests(base) - aborted_before >= left_mid_stream
+    # The 120 streaming clients that count tokens all left a running request; so did any other that got a token.
+    assert outcomes.count("left after tokens") == 120, outcomes
+    left_running = outcomes.count("left after tokens") + outcomes.count("left mid-stream")
+    assert aborted_requests(base) - aborted_before >= left_running
     assert all(completes(base) for _ in range(3))
 
 
