@@ -9,11 +9,10 @@ MODEL ?= smollm2-135m-instruct
 # `make soak ARGS="--duration-s 30"`.
 CONFIG = configs/default.yaml
 ARGS =
-# pytest-xdist workers of `make test`, each a pytest session with its own local Ray: much of the suite waits on
-# processes and servers, so two workers on two cores finish sooner. `make test PYTEST_WORKERS=0` runs in one process.
-# `--dist loadfile` keeps each file on one worker: its module fixtures (deployed apps, servers) start once, and its
-# tests run in file order, as they do serially.
-PYTEST_WORKERS ?= 2
+# pytest-xdist workers of `make test`, each a pytest session with its own local Ray. One process by default: on two
+# cores the fault and overload tests' deadlines race the other worker. `make test PYTEST_WORKERS=2` finishes sooner;
+# `--dist loadfile` keeps each file on one worker, so its module fixtures start once and its tests run in order.
+PYTEST_WORKERS ?= 0
 
 .PHONY: setup serve test test-fast lint bench-offline soak clean
 

@@ -290,11 +290,10 @@ def test_make_test_and_test_fast_set_up_and_lint_before_pytest_and_test_fast_ski
         steps = ["fetch-model", "cuda_ext.cpu_ops", "ruff check .", "ruff format --check .", "-m pytest -q"]
         assert [position(lines, step) for step in steps] == list(range(len(steps))), lines
         if target == "test":
-            # The whole suite over two pytest-xdist workers by default, each file on one worker; PYTEST_WORKERS=0
-            # keeps it in one process.
-            assert lines[-1].strip() == ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
-            serial = make_dry_run("-o", ".venv/.installed", "test", "PYTEST_WORKERS=0")
-            assert serial[-1].strip() == ".venv/bin/python -m pytest -q -n 0 --dist loadfile"
+            # The whole suite in one process by default; PYTEST_WORKERS=2 spreads its files over two xdist workers.
+            assert lines[-1].strip() == ".venv/bin/python -m pytest -q -n 0 --dist loadfile"
+            workers = make_dry_run("-o", ".venv/.installed", "test", "PYTEST_WORKERS=2")
+            assert workers[-1].strip() == ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
     assert lines[-1].strip() == '.venv/bin/python -m pytest -q -m "not serve and not subprocess and not slow"'
 
     collect = run_command([*shlex.split(lines[-1]), "--collect-only", "-p", "no:cacheprovider"], 300)
