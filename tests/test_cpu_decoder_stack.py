@@ -457,9 +457,9 @@ def test_output_rows_skip_the_last_layer_for_the_others_and_cache_every_row(
     model = random_llama(
         pp_rank=pp_rank, pp_size=pp_size, panels=panels, **({"sliding_window": window} if window else {})
     )
-    assert stack_takes_step(model, [1, 1, 7, 5], [3, 6, 0, 2])
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(4)]
     num_new, num_cached = [1, 1, 7, 5], [3, 6, 0, 2]
+    assert stack_takes_step(model, num_new, num_cached)
     hidden = torch.randn(sum(num_new), model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     outputs, caches = [], []
     for rows in (None, torch.tensor(output_rows, dtype=torch.int64)):

@@ -525,11 +525,7 @@ void DecodeStack::run_last_layer_on_rows(const Step& step, int64_t num_tokens, c
   const int64_t q_size = num_heads_ * head_dim_;
   const int64_t qkv_rows = q_size + 2 * num_kv_heads_ * head_dim_;
   float* const qkv = qkv_.data();
-  for_each_token(num_tokens, hidden_, [&](int64_t token) {
-    add_rms_norm_row<float>(step.hidden + token * hidden_, step.residual + token * hidden_,
-                            layer.input_norm.data_ptr<float>(), hidden_, eps_);
-  });
-  project(layer.qkv, step.hidden, hidden_, num_tokens, qkv);
+  norm_and_project_qkv(layer, step.hidden, step.residual, num_tokens, qkv);
   if (bf16_weights_) {
     rotate_and_cache<c10::BFloat16>(layer, step, cache, 0, num_tokens, qkv, nullptr);
   } else {
@@ -588,6 +584,15 @@ void DecodeStack::run_last_layer_on_rows(const Step& step, int64_t num_tokens, c
   Step whole = step;
   whole.num_layers = last + 1;
   run_rows(whole, Rows{0, num_outputs, last, kOutputAndNorm}, nullptr);
+}
+
+void DecodeStack::norm_and_project_qkv(const Layer& layer, float* x, float* stream, int64_t count,
+                                       float* qkv) const {
+  for_each_token(count, hidden_, [&](int64_t token) {
+    add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_, layer.input_norm.data_ptr<float>(),
+                            hidden_, eps_);
+  });
+  project(layer.qkv, x, hidden_, count, qkv);
 }
 
 void DecodeStack::run_step(const Step& step, int64_t num_tokens, bool rows_share_sequences) {
@@ -653,11 +658,7 @@ int64_t DecodeStack::run_rows(const Step& step, Rows rows, RowShare* share) {
       c10::BFloat16* const attended_bf16 = bf16_weights_ ? attended_bf16_.data() + begin * q_size : nullptr;
       switch (rows.stage) {
         case kNormAndQkv:
-          for_each_token(count, hidden_, [&](int64_t token) {
-            add_rms_norm_row<float>(x + token * hidden_, stream + token * hidden_,
-                                    layer.input_norm.data_ptr<float>(), hidden_, eps_);
-          });
-          project(layer.qkv, x, hidden_, count, qkv);
+          norm_and_project_qkv(layer, x, stream, count, qkv);
           break;
         case kRotaryAndAttention:
           if (bf16_weights_) {

@@ -136,6 +136,8 @@ class DecodeStack {
   // out [tokens, the weight's out size] += the linear's bias, if it has one.
   void add_bias(const Linear& linear, int64_t num_tokens, float* out) const;
 
+  // Stage kNormAndQkv for `count` rows: x = RMSNorm(x + stream) with stream updated in place, qkv = its projection.
+  void norm_and_project_qkv(const Layer& layer, float* x, float* stream, int64_t count, float* qkv) const;
   // Row `row` of the step's q and k heads in `token_qkv` (fp32), in place: the per-head norms, then rotary.
   void norm_and_rotate(const Layer& layer, const Step& step, int64_t row, float* token_qkv) const;
 
