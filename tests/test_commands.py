@@ -255,6 +255,29 @@ def position(lines: list[str], fragment: str) -> int:
     return next(index for index, line in enumerate(lines) if fragment in line)
 
 
+# The files whose tests assert wall-clock bounds: `make test` runs them in a pass of their own.
+ALONE_FILES = {
+    f"tests/{name}.py"
+    for name in (
+        "test_engine_autoscaling",
+        "test_faults_live_app",
+        "test_faults_orphaned_engine",
+        "test_faults_serve_process",
+        "test_hostile_input",
+        "test_overload",
+        "test_startup_interrupt",
+        "test_stream_errors",
+    )
+}
+
+
+def collected_files(pytest_args: list[str]) -> set[str]:
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *pytest_args]
+    collect = run_command(command, 300)
+    assert collect.returncode == 0, tail(collect)
+    return {line.split("::")[0] for line in collect.stdout.splitlines() if "::" in line}
+
+
 @pytest.mark.subprocess
 def test_make_from_a_fresh_clone_creates_the_venv_installs_torch_first_then_fetches_and_serves():
     """`make serve` on a fresh clone (`-B`: as if nothing were built): venv, pinned torch before the project (an
@@ -281,8 +304,8 @@ def test_make_from_a_fresh_clone_creates_the_venv_installs_torch_first_then_fetc
 @pytest.mark.subprocess
 def test_make_test_and_test_fast_set_up_and_lint_before_pytest_and_test_fast_skips_the_slow_marks():
     """`make test` and `make test-fast` (dry runs: running them here would recurse into this suite): set-up, then
-    `make lint`'s ruff check and format check, then pytest; test-fast's selection, collected, holds the plain tests
-    and none marked serve, subprocess or slow."""
+    `make lint`'s ruff check and format check, then pytest; test's two passes split the suite by the `alone` mark;
+    test-fast's selection, collected, holds the plain tests and none marked serve, subprocess or slow."""
     lint = make_dry_run("-o", ".venv/.installed", "lint")
     assert [line.strip() for line in lint] == [".venv/bin/ruff check .", ".venv/bin/ruff format --check ."]
     for target in ("test", "test-fast"):
@@ -290,10 +313,19 @@ def test_make_test_and_test_fast_set_up_and_lint_before_pytest_and_test_fast_ski
         steps = ["fetch-model", "cuda_ext.cpu_ops", "ruff check .", "ruff format --check .", "-m pytest -q"]
         assert [position(lines, step) for step in steps] == list(range(len(steps))), lines
         if target == "test":
-            # The whole suite in one process by default; PYTEST_WORKERS=2 spreads its files over two xdist workers.
-            assert lines[-1].strip() == ".venv/bin/python -m pytest -q -n 0 --dist loadfile"
-            workers = make_dry_run("-o", ".venv/.installed", "test", "PYTEST_WORKERS=2")
-            assert workers[-1].strip() == ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
+            # Two xdist workers, each file on one, for all but the `alone` tests; those after, in one process; the
+            # target fails if either pass did.
+            spread_pass = '.venv/bin/python -m pytest -q -n {} --dist loadfile -m "not alone"; spread=$?; \\'
+            alone_pass = ".venv/bin/python -m pytest -q -m alone; alone=$?; \\"
+            verdict = "[ $spread -eq 0 ] && [ $alone -eq 0 ]"
+            assert [line.strip() for line in lines[-3:]] == [spread_pass.format(2), alone_pass, verdict]
+            one_process = make_dry_run("-o", ".venv/.installed", "test", "PYTEST_WORKERS=0")
+            assert one_process[-3].strip() == spread_pass.format(0)
+            alone_files = collected_files(["-m", "alone"])
+            assert alone_files == ALONE_FILES
+            spread_files = collected_files(["-m", "not alone"])
+            assert {"tests/test_serving.py", "tests/test_configs.py"} <= spread_files
+            assert not spread_files & alone_files
     assert lines[-1].strip() == '.venv/bin/python -m pytest -q -m "not serve and not subprocess and not slow"'
 
     collect = run_command([*shlex.split(lines[-1]), "--collect-only", "-p", "no:cacheprovider"], 300)

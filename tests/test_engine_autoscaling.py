@@ -16,6 +16,9 @@ from serve_app.engine_autoscaler import ScalingDecider
 from serve_app.engine_router import prefix_key, prefix_owner
 from serve_app.engines import existing_engines
 
+# Scaling waits on the autoscaler's wall-clock windows.
+pytestmark = pytest.mark.alone
+
 
 def decider(**overrides) -> ScalingDecider:
     values = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2, "upscale_delay_s": 1}

@@ -37,7 +37,7 @@ from tests.fault_helpers import (
 )
 from tests.helpers import ray_actors
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.alone]
 
 # Graceful shutdown: the long request needs ten times the short one's decode steps (and fits the 2048-token context).
 SHORT_TOKENS, LONG_TOKENS = 200, 2000

@@ -17,7 +17,7 @@ from executor.engine_actor import EngineActor
 from serve_app.engines import ENGINE_NAMESPACE
 from tests.fault_helpers import assert_all_gone, wait_until
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.alone]
 
 
 def detached_engine(model_dir: Path, name: str, request_lease_s: float, orphan_timeout_s: float) -> Any:

@@ -15,7 +15,7 @@ import pytest
 from tests.fault_helpers import LONG, completes, stream_events, wait_until
 from tests.process_helpers import cmdline, free_port_for_direct_ingress, ray_processes_of, start_pagedserve
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.alone]
 
 
 @pytest.mark.subprocess

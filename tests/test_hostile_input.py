@@ -20,7 +20,7 @@ import pytest
 from configs.app_config import AppConfig
 from tests.helpers import ray_actors, rss_mib
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.alone]
 
 APP = "hostile"
 CONFIG = AppConfig.model_validate(

@@ -14,7 +14,7 @@ import ray
 from configs.app_config import AppConfig
 from serve_app.engines import ENGINE_NAMESPACE, engine_actor_name
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.alone]
 
 CONFIG = AppConfig.model_validate(
     {

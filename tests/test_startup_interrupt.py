@@ -11,7 +11,7 @@ import pytest
 from tests.fault_helpers import wait_until
 from tests.process_helpers import cmdline, free_port_for_direct_ingress, ray_processes_of, start_pagedserve
 
-pytestmark = [pytest.mark.serve, pytest.mark.subprocess]
+pytestmark = [pytest.mark.serve, pytest.mark.subprocess, pytest.mark.alone]
 
 STOP_WITHIN_S = 10.0
 
