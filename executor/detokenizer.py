@@ -7,12 +7,37 @@ come out as a full decode would produce them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+try:
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+except ImportError:  # transformers 4: the fast tokenizers' base class had another name
+    TokenizersBackend = None
 
 # Prompt tokens kept as left context: SentencePiece decoders drop a leading space at the start of a decode.
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    """`tokenizer.decode` of a list of ids without tokenization-space clean-up. A fast tokenizer that keeps
+    transformers' own decode goes straight to its Rust tokenizer: the same text, without the wrapper's
+    per-call conversions, which a server pays twice per streamed token."""
+    kind = type(tokenizer)
+    if (
+        TokenizersBackend is not None
+        and isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+    ):
+        backend = tokenizer.backend_tokenizer
+        return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: tokenizer.decode(
+        token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 class IncrementalDetokenizer:
@@ -34,11 +59,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_emitted_chars = 0
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        self._decode = ids_decoder(tokenizer, skip_special_tokens)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one generated token; returns the stop string if the text now contains one (text cut there)."""

@@ -405,7 +405,7 @@ class OpenAIIngress:
     def _respond(self, result: BaseModel | ChunkStream, served: ServedModel | None = None) -> Response:
         if isinstance(result, ChunkStream):
             return self._stream(result, served.runner)
-        return JSONResponse(result.model_dump())
+        return Response(result.model_dump_json(), media_type="application/json")
 
     def _stream(self, stream: ChunkStream, runner: RequestRunner) -> StreamingResponse:
         """SSE: one event per chunk, an error event if the request fails midway, then `[DONE]`."""
@@ -414,7 +414,7 @@ class OpenAIIngress:
             try:
                 async with runner.deadline(), contextlib.aclosing(stream.chunks) as chunks:
                     async for chunk in chunks:
-                        yield sse(chunk.model_dump())
+                        yield sse(chunk.model_dump_json())
             except TimeoutError:
                 yield sse(error_status_and_body(runner.timeout_error())[1])
             except (RequestError, EngineDeadError) as error:

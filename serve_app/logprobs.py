@@ -6,6 +6,13 @@ from typing import Any
 
 from serve_app.protocol import ChatLogprobEntry, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs
 
+# JSON has no -inf (a token a grammar or bias masks out): vLLM's responses carry this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
 
 class LogprobFormatter:
     """Turns token ids into their texts (cached per id) in the completion or chat logprob shape."""
@@ -27,9 +34,9 @@ class LogprobFormatter:
         for entry in entries:
             token = self.text(entry.token_id)
             tokens.append(token)
-            token_logprobs.append(entry.logprob)
-            top = {self.text(token_id): logprob for token_id, logprob in entry.top_logprobs}
-            top.setdefault(token, entry.logprob)
+            token_logprobs.append(json_logprob(entry.logprob))
+            top = {self.text(token_id): json_logprob(logprob) for token_id, logprob in entry.top_logprobs}
+            top.setdefault(token, json_logprob(entry.logprob))
             top_logprobs.append(top)
             offsets.append(text_offset)
             text_offset += len(token)
@@ -40,7 +47,7 @@ class LogprobFormatter:
     def chat(self, entries: list[Any]) -> ChatLogprobs:
         def token_logprob(token_id: int, logprob: float) -> ChatTokenLogprob:
             token = self.text(token_id)
-            return ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+            return ChatTokenLogprob(token=token, logprob=json_logprob(logprob), bytes=list(token.encode()))
 
         content = []
         for entry in entries:
@@ -48,7 +55,7 @@ class LogprobFormatter:
             content.append(
                 ChatLogprobEntry(
                     token=sampled,
-                    logprob=entry.logprob,
+                    logprob=json_logprob(entry.logprob),
                     bytes=list(sampled.encode()),
                     top_logprobs=[token_logprob(token_id, logprob) for token_id, logprob in entry.top_logprobs],
                 )

@@ -1,6 +1,6 @@
 """OpenAI request and response bodies (pydantic), and the mapping of a request to SamplingParams.
 
-Every JSON body and SSE chunk the server sends is one of the response models here, dumped with `model_dump()`.
+Every JSON body and SSE chunk the server sends is one of the response models here, dumped with `model_dump_json()`.
 """
 
 from __future__ import annotations

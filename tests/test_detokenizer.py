@@ -3,13 +3,15 @@ characters split across byte-level tokens never show as U+FFFD), stop strings, a
 
 from __future__ import annotations
 
+import copy
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from executor.detokenizer import IncrementalDetokenizer
+from executor.detokenizer import IncrementalDetokenizer, ids_decoder
 
 FFFD = "\ufffd"
 
@@ -252,3 +254,34 @@ def test_single_character_stop_string_streams_without_holdback(tokenizer: Any) -
     assert run.detokenizer.output_text == " one two"
     # Nothing to hold back for a 1-char stop string: each delta is that token's full text.
     assert run.deltas[:2] == [" one", " two"]
+
+
+# --- the decode it calls -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_rust_decode_gives_transformers_text_on_random_ids(tokenizer: Any, skip_special_tokens: bool) -> None:
+    """SmolLM2's tokenizer takes the direct path; random windows of ids (special tokens and split UTF-8 bytes
+    among them) decode to what `tokenizer.decode` gives."""
+    decode = ids_decoder(tokenizer, skip_special_tokens)
+    assert decode.__code__.co_names == ("decode",) and "backend" in decode.__code__.co_freevars
+    generator = random.Random(5)
+    specials = tokenizer.all_special_ids
+    for _ in range(200):
+        ids = [generator.randrange(tokenizer.vocab_size) for _ in range(generator.randrange(1, 9))]
+        ids.insert(generator.randrange(len(ids) + 1), generator.choice(specials))
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        assert decode(ids) == expected
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tokenizer: Any) -> None:
+    """A tokenizer class that overrides `_decode` is asked through `decode`, so its override applies."""
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    run = detokenize(shouting, "Say", encode(tokenizer, " hello there"))
+    assert run.streamed == " HELLO THERE"

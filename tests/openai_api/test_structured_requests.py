@@ -264,6 +264,51 @@ def test_completions_structured_choice_is_one_of_the_choices(client):
         assert response.choices[0].finish_reason == "stop"
 
 
+def strict_json(text: str) -> Any:
+    """JSON as the spec has it: no Infinity or NaN (Python's json reads them; JavaScript's JSON.parse does not)."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in {text[:300]}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def response_logprobs(path: str, body: dict[str, Any]) -> list[float]:
+    """Every logprob in a completion or chat response body or stream chunk, sampled and top."""
+    values = []
+    for choice in body["choices"]:
+        logprobs = choice.get("logprobs") or {}
+        if path == CMPL:
+            values += logprobs.get("token_logprobs") or []
+            values += [value for top in logprobs.get("top_logprobs") or [] for value in top.values()]
+        else:
+            for entry in logprobs.get("content") or []:
+                values += [entry["logprob"], *(top["logprob"] for top in entry["top_logprobs"])]
+    return values
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", [CMPL, CHATS], ids=["completions", "chat"])
+def test_logprobs_of_tokens_the_grammar_masks_are_vllms_floor_in_strict_json(http, path, stream):
+    """Once a choice is under way the grammar allows a token or two: the other top logprobs are -inf, which JSON
+    cannot carry. They come back as vLLM's -9999.0, in JSON a strict parser reads, whole or streamed."""
+    top = {"logprobs": 20} if path == CMPL else {"logprobs": True, "top_logprobs": 20}
+    build = completion if path == CMPL else chat_body
+    body = build(max_tokens=8, temperature=0, structured_outputs={"choice": CHOICES}, stream=stream, **top)
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        bodies = [strict_json(event) for event in events[:-1]]
+    else:
+        bodies = [strict_json(response.text)]
+    values = [value for chunk in bodies for value in response_logprobs(path, chunk)]
+    assert values and all(value >= -9999.0 for value in values)
+    assert -9999.0 in values  # a masked token reached the top 20 on some step
+    assert any(value > -9999.0 for value in values)
+
+
 @pytest.mark.parametrize(
     "fields",
     [{"guided_regex": CODE_PATTERN}, {"structured_outputs": {"regex": CODE_PATTERN}}],
