@@ -172,9 +172,7 @@ class RayExecutor(Executor):
         self.placement_group = self._reserve_bundles(bundle, placement_timeout_s, on_placement_wait)
         threads = default_threads_per_worker(config)
         worker_class = ray.remote(ModelWorker)
-        # A raylet on another node has its own environment: the hub's token, cache and offline switch go along.
-        hub_env = hub_environment()
-        runtime_env = {"runtime_env": {"env_vars": hub_env}} if hub_env else {}
+        runtime_env = {"env_vars": worker_environment()}
         self.workers = []
         for pp_rank in range(config.parallel.pipeline_parallel_size):
             for tp_rank in range(config.parallel.tensor_parallel_size):
@@ -185,7 +183,7 @@ class RayExecutor(Executor):
                         num_gpus=1 if use_gpu else 0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_index),
                         name=None,
-                        **runtime_env,
+                        runtime_env=runtime_env,
                     ).remote(model_info, config, pp_rank, tp_rank, threads, compute_thread=True)
                 )
         # The last stage's first TP rank samples and returns the step's tokens.
@@ -408,6 +406,14 @@ class RayExecutor(Executor):
         if getattr(self, "placement_group", None) is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+def worker_environment() -> dict[str, str]:
+    """Variables the model workers' processes start with. A raylet on another node has its own environment: the
+    hub's token, cache and offline switch go along."""
+    # Idle OpenMP threads sleep instead of spinning out the gaps between a step's parallel regions: the spin takes
+    # the core that the ingress, the scheduler actor and Ray stream the step's tokens on. A policy set here goes along.
+    return {**hub_environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def make_executor(config: EngineConfig, model_info: ModelInfo, show_progress: bool = True) -> Executor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from configs.sampling_params import SamplingParams
@@ -48,6 +50,11 @@ def test_tiny_tp_pp_equals_single_rank(
         assert len({identity["pid"] for identity in identities} | {os.getpid()}) == len(workers) + 1
         ranks = {(identity["pp_rank"], identity["tp_rank"]) for identity in identities}
         assert ranks == {(pp, tp) for pp in range(pipeline_parallel_size) for tp in range(tensor_parallel_size)}
+        # Each rank's OpenMP threads were started passive (sleeping between regions), unless this process chose.
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        for identity in identities:
+            environment = Path(f"/proc/{identity['pid']}/environ").read_bytes().split(b"\0")
+            assert f"OMP_WAIT_POLICY={wait_policy}".encode() in environment
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [output.outputs[0].token_ids for output in outputs] == expected
         assert_no_leaked_blocks(llm)
