@@ -6,7 +6,7 @@ from typing import Any
 
 from serve_app.protocol import ChatLogprobEntry, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs
 
-# JSON has no -inf (a token a grammar or bias masks out): vLLM's responses carry this floor instead.
+# JSON has no -inf (the logprob of a token the grammar masks out): vLLM's responses carry this floor instead.
 LOGPROB_FLOOR = -9999.0
 
 
