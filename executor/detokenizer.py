@@ -49,8 +49,6 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])

@@ -271,11 +271,15 @@ ALONE_FILES = {
 }
 
 
-def collected_files(pytest_args: list[str]) -> set[str]:
-    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *pytest_args]
-    collect = run_command(command, 300)
+def collected_ids(pytest_command: list[str]) -> list[str]:
+    """The test ids a pytest command line selects, collected without running them."""
+    collect = run_command([*pytest_command, "--collect-only", "-p", "no:cacheprovider"], 300)
     assert collect.returncode == 0, tail(collect)
-    return {line.split("::")[0] for line in collect.stdout.splitlines() if "::" in line}
+    return [line for line in collect.stdout.splitlines() if "::" in line]
+
+
+def files_of(test_ids: list[str]) -> set[str]:
+    return {test_id.split("::")[0] for test_id in test_ids}
 
 
 @pytest.mark.subprocess
@@ -321,18 +325,18 @@ def test_make_test_and_test_fast_set_up_and_lint_before_pytest_and_test_fast_ski
             assert [line.strip() for line in lines[-3:]] == [spread_pass.format(2), alone_pass, verdict]
             one_process = make_dry_run("-o", ".venv/.installed", "test", "PYTEST_WORKERS=0")
             assert one_process[-3].strip() == spread_pass.format(0)
-            alone_files = collected_files(["-m", "alone"])
+            pytest_command = [sys.executable, "-m", "pytest", "-q"]
+            alone_files = files_of(collected_ids([*pytest_command, "-m", "alone"]))
             assert alone_files == ALONE_FILES
-            spread_files = collected_files(["-m", "not alone"])
+            spread_files = files_of(collected_ids([*pytest_command, "-m", "not alone"]))
             assert {"tests/test_serving.py", "tests/test_configs.py"} <= spread_files
             assert not spread_files & alone_files
     assert lines[-1].strip() == '.venv/bin/python -m pytest -q -m "not serve and not subprocess and not slow"'
 
-    collect = run_command([*shlex.split(lines[-1]), "--collect-only", "-p", "no:cacheprovider"], 300)
-    assert collect.returncode == 0, tail(collect)
-    selected = {line.split("::")[0] for line in collect.stdout.splitlines() if "::" in line}
+    fast_ids = collected_ids(shlex.split(lines[-1]))
+    selected = files_of(fast_ids)
     assert {"tests/test_configs.py", "tests/test_kv_cache.py"} <= selected
     # Whole modules marked serve or subprocess, and this very test (subprocess), are left out.
     left_out = {"tests/test_faults_live_app.py", "tests/test_cluster_job.py", "tests/test_startup_interrupt.py"}
     assert not selected & left_out
-    assert "test_make_test_and_test_fast" not in collect.stdout
+    assert not any("test_make_test_and_test_fast" in test_id for test_id in fast_ids)
