@@ -408,12 +408,17 @@ class RayExecutor(Executor):
             self.placement_group = None
 
 
+# OpenMP's idle-thread behaviour, chosen where the cluster is launched.
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def worker_environment() -> dict[str, str]:
     """Variables the model workers' processes start with. A raylet on another node has its own environment: the
-    hub's token, cache and offline switch go along."""
-    # Idle OpenMP threads sleep instead of spinning out the gaps between a step's parallel regions: the spin takes
-    # the core that the ingress, the scheduler actor and Ray stream the step's tokens on. A policy set here goes along.
-    return {**hub_environment(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    hub's token, cache and offline switch go along, and the OpenMP wait settings chosen here."""
+    # libgomp's own default (spin a while, then sleep) unless the user chose: a passive policy's futex wake-up at
+    # every parallel region costs a step more than its spin takes from the serving processes.
+    omp_settings = {name: os.environ[name] for name in OMP_WAIT_VARS if name in os.environ}
+    return {**hub_environment(), **omp_settings}
 
 
 def make_executor(config: EngineConfig, model_info: ModelInfo, show_progress: bool = True) -> Executor:

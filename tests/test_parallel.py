@@ -24,7 +24,7 @@ def tiny_reference(tiny_model_dir):
 
 @pytest.mark.parametrize(("tensor_parallel_size", "pipeline_parallel_size"), [(2, 1), (1, 2), (2, 2)])
 def test_tiny_tp_pp_equals_single_rank(
-    ray_cluster, tiny_model_dir, tiny_reference, tensor_parallel_size, pipeline_parallel_size
+    ray_cluster, tiny_model_dir, tiny_reference, tensor_parallel_size, pipeline_parallel_size, monkeypatch
 ):
     import os
 
@@ -33,6 +33,8 @@ def test_tiny_tp_pp_equals_single_rank(
     from executor import LLM
 
     prompts, expected = tiny_reference
+    # An OpenMP setting of the launching process (the ranks' raylet started without it) goes along to the ranks.
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
     llm = LLM(
         model=str(tiny_model_dir),
         show_progress=False,
@@ -50,11 +52,15 @@ def test_tiny_tp_pp_equals_single_rank(
         assert len({identity["pid"] for identity in identities} | {os.getpid()}) == len(workers) + 1
         ranks = {(identity["pp_rank"], identity["tp_rank"]) for identity in identities}
         assert ranks == {(pp, tp) for pp in range(pipeline_parallel_size) for tp in range(tensor_parallel_size)}
-        # Each rank's OpenMP threads were started passive (sleeping between regions), unless this process chose.
-        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        # The OpenMP spin setting chosen where the engine was launched reached every rank; no wait policy was
+        # imposed on them where none was chosen (libgomp's default: spin, then sleep).
         for identity in identities:
             environment = Path(f"/proc/{identity['pid']}/environ").read_bytes().split(b"\0")
-            assert f"OMP_WAIT_POLICY={wait_policy}".encode() in environment
+            assert b"GOMP_SPINCOUNT=20000" in environment
+            policies = [entry for entry in environment if entry.startswith(b"OMP_WAIT_POLICY=")]
+            assert policies == (
+                [f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}".encode()] if "OMP_WAIT_POLICY" in os.environ else []
+            )
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [output.outputs[0].token_ids for output in outputs] == expected
         assert_no_leaked_blocks(llm)
