@@ -45,6 +45,10 @@ class ClientRegistry:
     def num_clients(self) -> int:
         return len(self.last_seen)
 
+    def knows(self, client_id: str) -> bool:
+        """Whether the client counts as attached (not detached, forgotten or silent past its lease)."""
+        return client_id in self.last_seen
+
     def touch(self, client_id: str) -> None:
         """The client is alive: renew its lease."""
         self.last_seen[client_id] = self.last_activity = time.monotonic()

@@ -95,7 +95,7 @@ class EngineActor:
         self.engine_index = engine_index
         self.clients = ClientRegistry(request_lease_s, orphan_timeout_s)
         self.router = OutputRouter(
-            self.clients, config.scheduler.stream_interval, self._ensure_running, self._raise_if_dead
+            self.clients, config.scheduler.stream_interval, self._ensure_running, self._raise_if_dead, self._hung_up
         )
         self.core: EngineCore | None = None
         self.start_task: asyncio.Task | None = None
@@ -323,6 +323,16 @@ class EngineActor:
             self.core.abort_request(request_ids)
         self.router.forget_client(client_id)
         return request_ids
+
+    def _hung_up(self, client_id: str) -> None:
+        """An ingress's output connection was closed by its end: its process is gone. Forget it now, not when its
+        lease runs out: its requests free their blocks, and the live ingresses' last detach ends a shared engine at
+        once. Were it alive after all, its next read learns its requests were ended."""
+        if not self.clients.knows(client_id):
+            return  # it detached first
+        failure = "the ingress's output connection closed; its requests were aborted"
+        request_ids = self._forget_client(client_id, failure)
+        logger.warning("ingress %s hung up: aborted its %d requests", client_id, len(request_ids))
 
     async def attach(self, client_id: str) -> EngineInfo:
         """An ingress replica starts using this engine: engine_info plus the config this engine runs. Raises

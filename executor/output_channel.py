@@ -53,26 +53,30 @@ async def send_outputs(
     wait_for_outputs: Callable[[], Awaitable[None]],
     take_outputs: Callable[[], list],
     superseded: Callable[[], bool],
-) -> None:
+) -> bool:
     """Scheduler actor side: after each wait (for outputs, or the poll interval; it raises the client's failure) a
     batch of what was taken, until the client hangs up, a failure was sent, or a newer connection of the client
-    takes over. While the ingress reads slowly, `drain` holds this loop and later steps pile up into one batch."""
+    takes over. While the ingress reads slowly, `drain` holds this loop and later steps pile up into one batch.
+    Returns True when the client hung up (its process is gone), False otherwise."""
     writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         while True:
             try:
                 await wait_for_outputs()
                 if superseded():
-                    return  # what came is the newer connection's
+                    return False  # what came is the newer connection's
                 reply = (True, take_outputs())
             except Exception as error:
                 reply = (False, error)
+            # uvloop raises RuntimeError, not ConnectionError, on a write to a transport the peer's reset closed.
+            if writer.is_closing():
+                return True
             writer.write(frame(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)))
             await writer.drain()
             if not reply[0]:
-                return
+                return False
     except (ConnectionError, OSError):
-        return  # the ingress went away; its lease runs out
+        return True
     finally:
         writer.close()
 

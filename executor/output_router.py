@@ -72,7 +72,8 @@ class OutputRouter:
     """Per-client output queues, filled by the step loop and emptied by each client's one reader.
 
     `engine_ready` starts the engine (and its step loop) for a reader; `raise_if_dead` raises EngineDeadError while
-    the engine is down. Reads renew the reader's lease in `clients`.
+    the engine is down; `hung_up(client_id)` hears of a client whose output connection its peer closed. Reads renew
+    the reader's lease in `clients`.
     """
 
     def __init__(
@@ -81,10 +82,12 @@ class OutputRouter:
         stream_interval: int,
         engine_ready: Callable[[], Awaitable[None]],
         raise_if_dead: Callable[[], None],
+        hung_up: Callable[[str], None],
     ):
         self.clients = clients
         self.engine_ready = engine_ready
         self.raise_if_dead = raise_if_dead
+        self.hung_up = hung_up
         self.stream_buffer = StreamIntervalBuffer(stream_interval)
         self.client_outputs: dict[str, list[EngineOutput]] = defaultdict(list)
         self.client_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
@@ -212,13 +215,17 @@ class OutputRouter:
             return
         connection = object()
         self.client_readers[client_id] = connection
+        hung_up = False
         try:
-            await send_outputs(
+            hung_up = await send_outputs(
                 writer,
                 lambda: self.wait(client_id),
                 lambda: self.take(client_id),
                 lambda: self.client_readers.get(client_id) is not connection,
             )
         finally:
-            if self.client_readers.get(client_id) is connection:
+            current = self.client_readers.get(client_id) is connection
+            if current:
                 del self.client_readers[client_id]
+        if hung_up and current:
+            self.hung_up(client_id)

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from executor.engine_actor import REQUEST_LEASE_S
-from serve_app.engines import ENGINE_ORPHAN_TIMEOUT_S, engine_actor_name
+from serve_app.engines import engine_actor_name
 from tests.fault_helpers import (
     APP,
     CONFIG,
@@ -199,8 +199,10 @@ def test_ingress_replica_death_the_new_replica_readopts_the_engine(base):
     assert engine_parts(engine()) == before
     engines = [actor for actor in ray_actors("EngineActor") if actor["Name"] == engine_actor_name(APP)]
     assert len(engines) == 1
-    # The dead replica's request stops being polled: the engine aborts it after its lease and frees its blocks.
-    assert wait_until(idle_stats, REQUEST_LEASE_S + 30, "the dead replica's request aborted")
+    # The dead replica's output connection closed with its process: the engine forgot it then, aborting its request
+    # and freeing its blocks, so the new replica is the one ingress still attached.
+    assert wait_until(idle_stats, REQUEST_LEASE_S, "the dead replica's request aborted")
+    assert ray.get(engine().stats.remote(), timeout=10).num_clients == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_graceful_shutdown_refuses_new_requests_finishes_or_ends_the_rest_and_le
     assert json.loads(results["short"][-2])["choices"][0]["finish_reason"] == "length"
     assert_ends_with_error(results["long"], 503, "shut down before this request finished")
     assert APP not in serve.status().applications and not app_exists(CONFIG)
-    # The last ingress's detach ends the engine at once; should the detach miss it (seen in CI, cause unknown), it
-    # ends itself as an orphan ENGINE_ORPHAN_TIMEOUT_S after the last contact.
-    assert_all_gone(parts, ENGINE_ORPHAN_TIMEOUT_S + 30)
+    # The last ingress's detach ends the engine at once, not an orphan timeout later: a replica that died in an
+    # earlier test no longer counts as attached.
+    assert_all_gone(parts, FAIL_FAST_S)
     assert not ray_actors(f"ServeReplica:{APP}:")

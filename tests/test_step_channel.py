@@ -152,3 +152,34 @@ def test_the_ingress_reads_outputs_over_either_transport_and_the_output_channel_
         stranger.sendall(frame(b"x" * 16 + b"someone-else"))
         assert stranger.recv(1) == b""  # hung up on, nothing sent
         stranger.close()
+
+
+def test_an_ingress_whose_output_connection_closes_is_forgotten_at_once(ray_cluster, tiny_model_dir):
+    from executor.engine_actor import REQUEST_LEASE_S
+    from executor.step_channel import HEADER_BYTES
+
+    engine = start_engine(tiny_model_dir)
+    try:
+        ray.get(engine.attach.remote("survivor"), timeout=60)
+        ray.get(engine.attach.remote("crashed"), timeout=60)
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        ray.get(engine.add_request.remote("crashed", "doomed", [5, 6, 7], long), timeout=30)
+        host, port, secret = ray.get(engine.open_output_channel.remote(), timeout=30)
+        connection = socket.create_connection((host, port), timeout=10)
+        connection.sendall(frame(secret + b"crashed"))
+        assert len(connection.recv(HEADER_BYTES)) == HEADER_BYTES  # outputs were streaming to it
+        # The ingress's process dies: its kernel closes the socket with unread outputs in it (a reset).
+        connection.close()
+        # Forgotten well before its lease would run out: its request aborted, its blocks free, and only the live
+        # ingress left attached, so that one's detach alone ends a shared engine.
+        deadline = time.monotonic() + REQUEST_LEASE_S / 2
+        while True:
+            stats = ray.get(engine.stats.remote(), timeout=10)
+            idle = stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks
+            if idle and stats.num_clients == 1:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        assert ray.get(engine.detach.remote("survivor"), timeout=30) == 0
+    finally:
+        ray.kill(engine)
