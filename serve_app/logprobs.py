@@ -34,9 +34,10 @@ class LogprobFormatter:
         for entry in entries:
             token = self.text(entry.token_id)
             tokens.append(token)
-            token_logprobs.append(json_logprob(entry.logprob))
-            top = {self.text(token_id): json_logprob(logprob) for token_id, logprob in entry.top_logprobs}
-            top.setdefault(token, json_logprob(entry.logprob))
+            logprob = json_logprob(entry.logprob)
+            token_logprobs.append(logprob)
+            top = {self.text(token_id): json_logprob(top_logprob) for token_id, top_logprob in entry.top_logprobs}
+            top.setdefault(token, logprob)
             top_logprobs.append(top)
             offsets.append(text_offset)
             text_offset += len(token)
